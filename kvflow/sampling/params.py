@@ -1,0 +1,145 @@
+"""Per-request sampling parameters, with vLLM's names and defaults.
+
+The engine, the OpenAI-compatible server and the offline `LLM` class all accept the same
+`SamplingParams`, so a script written for vLLM runs unchanged. Every field is checked once
+here, at request admission, so that the sampler and the detokenizer can trust their inputs
+and a bad request fails with a message that names the offending parameter instead of an
+opaque tensor error deep inside a batched step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
+
+# Temperatures below this are treated as greedy: dividing logits by them overflows float32
+# (or makes the softmax a one-hot in all but name), so argmax is both safer and what the
+# user meant.
+_GREEDY_EPS = 1e-5
+# The OpenAI API caps top logprobs at 20; vLLM does the same by default.
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    """True for real integers; bools are rejected because `seed=True` is almost surely a bug."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+@dataclass(repr=False)
+class SamplingParams:
+    """How to pick the next tokens of one request and when to stop.
+
+    Defaults follow vLLM: a plain `SamplingParams()` samples at temperature 1 for at most 16
+    tokens. `top_k=-1` (vLLM's old spelling of "disabled") is normalised to 0, `stop` to a
+    list of strings and `stop_token_ids` to a list, so downstream code sees one form only.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = field(default=None)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        self._validate()
+
+    def _normalise(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}")
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n must be 1 (only n=1 is supported for now), got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, or -1 to disable, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: temperature 0, or so close to it that dividing by it is unsafe."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must build token-count tensors for this request."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def __repr__(self) -> str:
+        """Show only what differs from the defaults, so logs stay one short line."""
+        default = _DEFAULTS
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return f"SamplingParams({', '.join(parts)})"
+
+
+_DEFAULTS = SamplingParams()

@@ -1,0 +1,100 @@
+"""SamplingParams: vLLM defaults, normalisation, and validation messages that name the field."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvflow.sampling.params import SamplingParams
+
+
+def test_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert p.seed is None
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.max_tokens, p.min_tokens) == (16, 0)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert p.ignore_eos is False and p.logprobs is None
+    assert p.skip_special_tokens is True and p.include_stop_str_in_output is False
+    assert not p.is_greedy and not p.has_penalties
+
+
+def test_normalisation() -> None:
+    p = SamplingParams(top_k=-1, stop="###", stop_token_ids=(7, 9))
+    assert p.top_k == 0
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [7, 9]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"n": 2}, "n"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "42"}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_validation_error_names_parameter(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}\b") as info:
+        SamplingParams(**kwargs)
+    # "top_p" must not be reported as "top_k" etc.: the first word is exactly the field.
+    assert str(info.value).split(" ")[0] == name
+
+
+def test_n_message_says_only_one_supported() -> None:
+    with pytest.raises(ValueError, match="only n=1"):
+        SamplingParams(n=3)
+
+
+def test_top_p_message_format() -> None:
+    with pytest.raises(ValueError, match=re.escape("top_p must be in (0, 1], got 1.5")):
+        SamplingParams(top_p=1.5)
+
+
+def test_boundaries_accepted() -> None:
+    SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2, frequency_penalty=2)
+    SamplingParams(min_tokens=16, max_tokens=16, logprobs=0, seed=0)
+    SamplingParams(logprobs=20, min_tokens=100, max_tokens=None)
+
+
+@pytest.mark.parametrize(("temperature", "greedy"), [(0.0, True), (1e-6, True), (1e-4, False), (0.7, False)])
+def test_is_greedy(temperature: float, greedy: bool) -> None:
+    assert SamplingParams(temperature=temperature).is_greedy is greedy
+
+
+def test_has_penalties() -> None:
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=0.1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+
+
+def test_repr_shows_only_non_defaults() -> None:
+    assert repr(SamplingParams()) == "SamplingParams()"
+    r = repr(SamplingParams(temperature=0.0, max_tokens=32, stop="x"))
+    assert r == "SamplingParams(temperature=0.0, max_tokens=32, stop=['x'])"

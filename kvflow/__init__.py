@@ -1,0 +1,9 @@
+"""kvflow: an LLM inference and serving engine with a paged KV cache and continuous batching."""
+
+from kvflow.config import EngineConfig
+from kvflow.entrypoints.llm import LLM
+from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.sampling.params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]

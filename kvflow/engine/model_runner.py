@@ -1,0 +1,120 @@
+"""Turns a scheduler decision into flat tensors, runs the model, and samples.
+
+The runner owns the KV cache tensors (one [2, num_blocks, block_size, kv_heads, head_dim]
+tensor per layer) and the model. Per step it builds, without per-token Python loops:
+  input_ids, positions  [num_tokens]   the new tokens of every scheduled sequence, concatenated
+  slot_mapping          [num_tokens]   where each new token's K/V goes in the pool
+  block_tables          [num_seqs, max_blocks]
+  logits_indices        [num_sampled]  the last token of every sequence that completes this step
+Only those rows go through the LM head and the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvflow.config import ModelConfig
+from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.scheduler import SchedulerOutput
+from kvflow.engine.sequence import Sequence
+from kvflow.layers.attention import AttentionMetadata
+from kvflow.sampling.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled_seqs: list[Sequence]
+
+
+@dataclass
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        kv_cache_manager: KVCacheManager,
+        dtype: torch.dtype,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.eos_token_ids = eos_token_ids
+        shape = (2, kv_cache_manager.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        # torch.empty: pages are committed as blocks are first written, not up front.
+        self.kv_caches = [torch.empty(shape, dtype=dtype) for _ in range(model_config.num_hidden_layers)]
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
+        items = out.scheduled
+        starts = np.fromiter((it.seq.num_computed_tokens for it in items), dtype=np.int64, count=len(items))
+        lens = np.fromiter((it.num_new_tokens for it in items), dtype=np.int64, count=len(items))
+        query_start = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(lens, out=query_start[1:])
+        total = int(query_start[-1])
+
+        token_ids: list[int] = []
+        for it, start in zip(items, starts.tolist()):
+            token_ids.extend(it.seq.token_slice(start, start + it.num_new_tokens))
+        row_of_token = np.repeat(np.arange(len(items)), lens)
+        positions = np.arange(total, dtype=np.int64) - query_start[:-1][row_of_token] + starts[row_of_token]
+
+        tables = [self.kv.block_table(it.seq.request_id) for it in items]
+        block_tables = np.zeros((len(items), max(len(t) for t in tables)), dtype=np.int64)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table)] = table
+        slot_mapping = block_tables[row_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+
+        seq_lens = starts + lens
+        num_decodes = int(np.argmax(lens > 1)) if (lens > 1).any() else len(items)
+        sampled = [i for i, it in enumerate(items) if it.is_sampled]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc=query_start.tolist(),
+            seq_lens=seq_lens.tolist(),
+            block_tables=torch.from_numpy(block_tables),
+            num_decodes=num_decodes,
+            block_size=self.block_size,
+            decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=torch.from_numpy(positions),
+            attn_metadata=meta,
+            logits_indices=torch.from_numpy(query_start[1:][sampled] - 1),
+            sampled_seqs=[items[i].seq for i in sampled],
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if not inputs.sampled_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sample(logits, inputs.sampled_seqs)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        meta = SamplingMetadata.build(
+            params=[s.params for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            generators=[s.generator for s in seqs],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=logits.shape[-1],
+        )
+        result = self.sampler(logits, meta)
+        return [SampledToken(s, t, lp) for s, t, lp in zip(seqs, result.token_ids, result.logprobs)]

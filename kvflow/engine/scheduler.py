@@ -1,0 +1,150 @@
+"""Which sequences run this step, and how many tokens each.
+
+There are no prefill or decode phases, only a token budget per step
+(`max_num_batched_tokens`). Running sequences are served first: decodes (one token each),
+then unfinished prefills, whose remaining prompt is cut to what the budget has left
+(chunked prefill). Then waiting requests are admitted, in priority/arrival order, while
+`max_num_seqs`, the budget and free KV blocks allow; each starts after the longest prefix
+the cache already holds. When a running sequence needs a block and none is free, the
+lowest-priority running sequence (latest arrival under FCFS) is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens [seq.num_computed_tokens, + num_new_tokens) are computed this step
+
+    @property
+    def is_sampled(self) -> bool:
+        """A chunk that reaches the end of the sequence yields a token; partial chunks do not."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # decodes first, then prefills
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ---- requests in and out ---------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_index = self._arrivals
+        self._arrivals += 1
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Retire a sequence and return its blocks to the pool at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = status
+        seq.finished_time = time.time()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: dict[str, ScheduledSequence] = {}
+
+        for seq in sorted(self.running, key=lambda s: (s.is_prefill, s.sort_key())):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = max(self.running, key=Sequence.sort_key)
+                undone = scheduled_ids.pop(victim.request_id, None)
+                if undone is not None:
+                    out.scheduled.remove(undone)
+                    budget += undone.num_new_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            item = ScheduledSequence(seq, num_new)
+            out.scheduled.append(item)
+            scheduled_ids[seq.request_id] = item
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq in out.preempted:
+                break  # do not bounce a sequence straight back in the step that evicted it
+            cached = self.kv.find_cached_prefix(seq)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            seq.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(seq, num_new, cached):
+                seq.num_computed_tokens = 0
+                break
+            if seq.num_cached_tokens < 0:  # first admission: this is what the prefix cache saved
+                seq.num_cached_tokens = num_cached
+                self.kv.record_prefix_lookup(seq.num_prompt_tokens, num_cached)
+                seq.first_scheduled_time = time.time()
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=Sequence.sort_key)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+        out.scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # single-token rows first (batched decode)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance each scheduled sequence past the tokens whose K/V this step wrote."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(item.seq)

@@ -1,0 +1,94 @@
+"""One request's state as the engine sees it.
+
+The key quantity is `num_computed_tokens`: how many of the sequence's tokens (prompt, then
+generated) already have K/V in the cache. The scheduler advances it by whatever chunk it
+schedules; a sequence whose computed count reaches its length gets a token sampled.
+A preempted sequence drops back to zero (or to its cached prefix) and recomputes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvflow.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)  # identity, not field-by-field: sequences are looked up in queues
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0  # lower is served first; ties broken by arrival order
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    arrival_index: int = 0  # set by the scheduler: FCFS order among equal priorities
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token still lacks K/V: the prompt (or a preempted sequence's history)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+            return self.status.value
+        return "abort" if self.status == SequenceStatus.FINISHED_ABORTED else None
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) across the prompt/output boundary without building the full list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_index)

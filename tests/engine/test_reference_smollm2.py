@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvflow import SamplingParams
 from tests.conftest import assert_greedy_match, hf_greedy
+from tests.engine.prompts import OWN_PROMPTS, OWN_TOKENS
 
 # min_tokens == max_tokens: EOS is masked, exactly as the reference's min_new_tokens did.
 GREEDY_48 = SamplingParams(temperature=0, max_tokens=48, min_tokens=48, logprobs=10)
 
-OWN_PROMPTS = [
-    "The quick brown fox",
-    "In 1969, the first humans",
-    "import numpy as np\n\ndef softmax(x):",
-    "Q: What is 17 times 23?\nA:",
-    "Les montagnes de France sont",
-    "1, 1, 2, 3, 5, 8, 13,",
-    "A recipe for pancakes:\n1.",
-    "<html>\n  <head>\n    <title>",
-    "The mitochondria is",
-    "Dear hiring manager, I am writing to",
-    "SELECT name, COUNT(*) FROM users",
-]
 
 
 def test_reference_prompts_greedy_48(smollm2_fp32, reference):
@@ -68,13 +55,22 @@ def test_chat_template_and_text(smollm2_fp32, reference):
     assert out.outputs[0].text == row["greedy_natural_text"]
 
 
-def test_own_prompts_against_transformers(smollm2_fp32, hf_smollm2):
-    tokenizer = smollm2_fp32.get_tokenizer()
-    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
-    outs = smollm2_fp32.generate(OWN_PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(OWN_PROMPTS, outs):
-        ids = tokenizer(prompt).input_ids
-        assert out.prompt_token_ids == ids
-        ref, gaps, _ = hf_greedy(hf_smollm2, ids, 32)
-        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, prompt)
+def test_own_prompts_against_stored_transformers_outputs(smollm2_fp32, extra_reference):
+    rows = extra_reference["own"]
+    assert [r["prompt"] for r in rows] == OWN_PROMPTS
+    outs = smollm2_fp32.generate(OWN_PROMPTS, SamplingParams(temperature=0, max_tokens=OWN_TOKENS, min_tokens=OWN_TOKENS),
+                                 use_tqdm=False)
+    for row, out in zip(rows, outs):
+        assert out.prompt_token_ids == row["prompt_token_ids"]
+        assert_greedy_match(out.outputs[0].token_ids, row["tokens"], row["gaps"], row["prompt"])
     smollm2_fp32.engine.check_integrity()
+
+
+def test_live_transformers_agrees(smollm2_fp32, hf_smollm2, extra_reference):
+    """Computed now with the installed transformers: keeps the stored references honest."""
+    for row in extra_reference["own"][:2]:
+        ref, gaps, _ = hf_greedy(hf_smollm2, row["prompt_token_ids"], 12)
+        assert_greedy_match(row["tokens"][:12], ref, gaps, "stored vs live reference")
+        out = smollm2_fp32.generate({"prompt_token_ids": row["prompt_token_ids"]},
+                                    SamplingParams(temperature=0, max_tokens=12, min_tokens=12), use_tqdm=False)[0]
+        assert_greedy_match(out.outputs[0].token_ids, ref, gaps, row["prompt"])

@@ -1,0 +1,334 @@
+"""`LLMEngine` behind asyncio: one engine thread steps, coroutines submit and stream.
+
+The engine is not thread-safe, and a forward pass blocks for milliseconds to seconds, so it
+cannot run on the event loop. `AsyncEngine` owns one dedicated thread that is the only code
+ever touching the engine: the asyncio side never calls the engine, it appends *commands*
+(add, abort) to a locked list and wakes the thread. Before each step the thread applies all
+pending commands (so an abort frees its KV blocks before the next batch is scheduled), runs
+one step, and hands each request's new output to that request's `asyncio.Queue` with
+`loop.call_soon_threadsafe` (one call per step and loop, not one per token). With no work
+the thread sleeps on a condition variable instead of spinning.
+
+A step that raises fails the requests it was running (their streams raise
+`EngineStepError`), aborts them so their blocks return to the pool, and the loop goes on
+serving everyone else: one bad batch must not take the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from kvflow.outputs import RequestOutput
+from kvflow.sampling.params import SamplingParams
+
+logger = logging.getLogger("kvflow")
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the client should retry after `retry_after` seconds."""
+
+    def __init__(self, num_waiting: int, max_waiting: int, retry_after: int = 1) -> None:
+        super().__init__(
+            f"the server is overloaded: {num_waiting} requests are already waiting (max_waiting={max_waiting}); "
+            "retry later"
+        )
+        self.retry_after = retry_after
+
+
+class EngineStepError(RuntimeError):
+    """A step raised while this request was in the batch; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or crashed outside a step)."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of per-step `RequestOutput`s.
+
+    Iteration ends after the output with `finished=True`. Leaving early (client gone) must
+    call `abort()` so that the engine frees the request's blocks; it is idempotent and a
+    no-op once the request finished.
+    """
+
+    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop thread (via call_soon_threadsafe) by the engine thread."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:  # abort() woke a waiting reader
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, or None after the last one (a plain coroutine, usable as a Task)."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    def abort(self) -> None:
+        """Stop the request in the engine (freeing its blocks) unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+            self._queue.put_nowait(None)
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    stream: RequestStream
+    future: asyncio.Future
+
+
+@dataclass
+class _AbortCommand:
+    request_id: str
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on its own thread and serves many concurrent asyncio callers.
+
+    `max_waiting` bounds the scheduler's waiting queue: a request that would make it longer
+    is refused with `EngineOverloadedError` (HTTP 503 + Retry-After) instead of queueing
+    without limit while every client times out.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.num_step_errors = 0
+        self._cond = threading.Condition()
+        self._commands: list[_AddCommand | _AbortCommand] = []
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stats: EngineStats = engine.get_stats()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> "AsyncEngine":
+        return cls(LLMEngine(config), max_waiting=max_waiting)
+
+    # ---- read-only views (safe from any thread: set once at start-up) ------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._stopping
+
+    def get_stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its last step (never touches the engine)."""
+        return self._stats
+
+    # ---- the asyncio side ------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Submit a request; returns its output stream once the engine accepted it.
+
+        Raises what `LLMEngine.add_request` raises (ValueError for a bad prompt or id),
+        `EngineOverloadedError` when the waiting queue is full, `EngineDeadError` after shutdown.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        future: asyncio.Future = loop.create_future()
+        cmd = _AddCommand(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), priority, stream, future)
+        self._submit(cmd)
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it undoes it if the add went through
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once; applied before the engine's next step)."""
+        if self._thread.is_alive():
+            self._submit(_AbortCommand(request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still running get `EngineDeadError`."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _submit(self, cmd: _AddCommand | _AbortCommand) -> None:
+        with self._cond:
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread crashed: {self._dead!r}")
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not self.engine.has_unfinished_requests():
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._commands = self._commands, []
+                for cmd in commands:
+                    self._apply(cmd)
+                self._stats = self.engine.get_stats()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:  # a bug outside step(): report it instead of hanging clients
+            logger.exception("kvflow engine thread crashed")
+            self._dead = exc
+        finally:
+            self._fail_all(EngineDeadError("the engine shut down while the request was running"))
+
+    def _apply(self, cmd: _AddCommand | _AbortCommand) -> None:
+        if isinstance(cmd, _AbortCommand):
+            stream = self._streams.pop(cmd.request_id, None)
+            if self.engine.abort_request(cmd.request_id) and stream is not None:
+                logger.debug("aborted request %s", cmd.request_id)
+            return
+        try:
+            if self.max_waiting is not None:
+                waiting = self.engine.get_stats().num_waiting
+                if waiting >= self.max_waiting:
+                    raise EngineOverloadedError(waiting, self.max_waiting)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)
+        except Exception as exc:  # ValueError (bad prompt), overload, anything: back to the caller
+            _resolve(cmd.future, exc)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        _resolve(cmd.future, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._fail_batch(exc)
+            return
+        # Refresh the snapshot before anyone hears of this step: a client that saw its request
+        # finish must also see its blocks back in the pool.
+        self._stats = self.engine.get_stats()
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            deliveries.setdefault(stream.loop, []).append((stream, out))
+        self._deliver(deliveries)
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """Fail the requests the failed step was running; the waiting ones keep their turn."""
+        self.num_step_errors += 1
+        logger.exception("kvflow engine step failed; failing the requests in the batch")
+        running = [seq.request_id for seq in getattr(self.engine.scheduler, "running", [])]
+        affected = running or list(self._streams)  # unknown batch: fail everyone rather than loop forever
+        error = EngineStepError(f"the engine failed while running this request: {exc!r}")
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id in affected:
+            self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                deliveries.setdefault(stream.loop, []).append((stream, error))
+        self._stats = self.engine.get_stats()
+        self._deliver(deliveries)
+
+    def _fail_all(self, error: BaseException) -> None:
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine may be what broke; the clients still need an answer
+                pass
+            deliveries.setdefault(stream.loop, []).append((stream, error))
+        self._streams.clear()
+        with self._cond:
+            pending, self._commands = self._commands, []
+        for cmd in pending:
+            if isinstance(cmd, _AddCommand):
+                _resolve(cmd.future, EngineDeadError("the engine is shut down"))
+        self._deliver(deliveries)
+
+    def _deliver(self, deliveries: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                for stream, _ in items:
+                    if self.engine.abort_request(stream.request_id):
+                        self._streams.pop(stream.request_id, None)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.put(item)
+
+
+def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+    """Complete an add_request future from the engine thread."""
+
+    def finish() -> None:
+        if future.done():  # the caller was cancelled; its abort command cleans up
+            return
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+
+    try:
+        future.get_loop().call_soon_threadsafe(finish)
+    except RuntimeError:
+        pass
+

@@ -1,0 +1,269 @@
+"""The `kvflow` command: serve, generate, chat and plan.
+
+Each subcommand registers itself from one `register_*` function listed in `SUBCOMMANDS`, so
+a new one (say `bench`) is one function and one list entry; engine options are shared by
+`add_model_args` / `add_runtime_args` so every subcommand spells them the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import sys
+from typing import Callable
+
+from kvflow.config import EngineConfig
+
+logger = logging.getLogger("kvflow")
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB' or a plain byte count -> bytes (K/M/G alone are binary)."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4GiB, 512MiB or a number of bytes)")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+# ---- shared options -------------------------------------------------------------------------
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """What decides the model's shapes and its KV cache plan (all `kvflow plan` needs)."""
+    g = parser.add_argument_group("model and KV cache")
+    g.add_argument("--model", default=None,
+                   help="HF model directory, config.json, or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 1GiB)")
+    mem.add_argument("--memory-utilization", type=float, default=None,
+                     help="or: fraction of machine memory for weights + KV cache")
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """Scheduling and loading options that do not change the memory plan."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
+    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences per batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="disable prefix caching")
+    g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from kvflow.sampling.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+# ---- serve ----------------------------------------------------------------------------------
+def register_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_model_args(p)
+    add_runtime_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVFLOW_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="refuse requests (HTTP 503) when this many are already waiting")
+    g.add_argument("--uvicorn-log-level", default="info")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvflow.entrypoints.async_engine import AsyncEngine
+    from kvflow.entrypoints.openai.server import build_app
+
+    engine = AsyncEngine.from_config(engine_config_from_args(args), max_waiting=args.max_waiting)
+    name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
+    app = build_app(engine, name, args.api_key)
+    url = f"http://{args.host}:{args.port}"
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    dtype = str(engine.engine.dtype).removeprefix("torch.")
+    logger.info("model: %s (served as %r), dtype: %s, KV cache plan:\n%s", engine.engine.model_path, name, dtype,
+                engine.engine.plan.describe())
+    logger.info("serving on %s/v1 (health: %s/health, metrics: %s/metrics)", url, url, url)
+    logger.info("try: curl %s/v1/completions -H 'Content-Type: application/json'%s "
+                "-d '{\"model\": \"%s\", \"prompt\": \"Hello, my name is\", \"max_tokens\": 32}'", url, auth, name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+# ---- generate / chat ------------------------------------------------------------------------
+def _build_llm(args: argparse.Namespace):
+    from kvflow.entrypoints.llm import LLM
+
+    return LLM(**dataclasses.asdict(engine_config_from_args(args)))
+
+
+def register_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user message first")
+    add_model_args(p)
+    add_runtime_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)  # fail on bad options before loading weights
+    llm = _build_llm(args)
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat_template else args.prompt
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def register_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive chat in the terminal (/exit or EOF quits)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_model_args(p)
+    add_runtime_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=run_chat)
+
+
+def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
+    """Reads a line, streams the reply, keeps the history; a Ctrl-C stops the reply only."""
+    from kvflow.entrypoints.openai.server import TextStreamer
+
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    params = sampling_params_from_args(args)
+    llm = _build_llm(args)
+    engine = llm.engine
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    while True:
+        stdout.write("> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line:
+            stdout.write("\n")
+            break
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            break
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        request_id, streamer, reply = f"chat-{turn}", TextStreamer(params.stop), ""
+        turn += 1
+        engine.add_request(request_id, llm.apply_chat_template(history), params)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    reply = out.outputs[0].text
+                    stdout.write(streamer.delta(reply, out.finished))
+                    stdout.flush()
+        except KeyboardInterrupt:
+            engine.abort_request(request_id)
+            reply = reply[:streamer.sent]
+        stdout.write("\n")
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+# ---- plan -----------------------------------------------------------------------------------
+def register_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print the KV cache memory plan without loading weights")
+    add_model_args(p)
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from kvflow.config import resolve_dtype
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.engine.memory_plan import plan_kv_cache
+    from kvflow.loader import load_model_config, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    cfg = load_model_config(path)
+    dtype = resolve_dtype(args.dtype, cfg)
+    max_model_len = LLMEngine._resolve_max_model_len(cfg, args.max_model_len)
+    plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
+                         memory_utilization=args.memory_utilization)
+    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
+    print(plan.describe())
+    return 0
+
+
+# ---- entry point ----------------------------------------------------------------------------
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    register_serve, register_generate, register_chat, register_plan,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference on the CPU")
+    parser.add_argument("--log-level", default=None, help="python logging level (default: INFO for serve)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in SUBCOMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except ValueError as exc:  # bad options or model: one line, not a traceback
+        print(f"kvflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: wire models (protocol), routes (server) and Prometheus metrics."""

@@ -1,0 +1,127 @@
+"""Prometheus metrics for the server, named like vLLM's (`kvflow:` instead of `vllm:`).
+
+Dashboards and alerts written for vLLM then work after a prefix substitution. Each app gets
+its own `CollectorRegistry` (tests and embedders build several apps in one process, and the
+global registry refuses duplicate names). Latency histograms are fed per request from the
+engine's own timestamps as outputs arrive, so a slow client does not inflate them; gauges
+and counters are refreshed from `EngineStats` on each scrape, counters by the increase of
+the engine's running totals since the previous scrape.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+
+from kvflow.engine.llm_engine import EngineStats
+from kvflow.outputs import RequestOutput
+
+PREFIX = "kvflow:"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# EngineStats totals mirrored as Prometheus counters: (stats field, metric name, help).
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests that produced a first token."),
+    ("generation_tokens", "generation_tokens", "Generated tokens."),
+)
+
+
+class ServerMetrics:
+    """All of one app's metrics, in one registry, labelled with the served model name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             _ITL_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Per request: decode time divided by the tokens after the first.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               _REQUEST_BUCKETS)
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self._counters = {
+            stat: Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+            for stat, name, doc in _COUNTERS
+        }
+        self._last_totals = {stat: 0 for stat, _, _ in _COUNTERS}
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+
+    def refresh(self, stats: EngineStats) -> None:
+        """Bring the gauges and counters up to date with the engine's latest snapshot."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for stat, counter in self._counters.items():
+            total = int(getattr(stats, stat))
+            delta = total - self._last_totals[stat]
+            if delta > 0:
+                counter.inc(delta)
+                self._last_totals[stat] = total
+
+    def render(self, stats: EngineStats) -> bytes:
+        self.refresh(stats)
+        return generate_latest(self.registry)
+
+    def tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+@dataclass
+class RequestTracker:
+    """Feeds one request's latencies into the histograms as its outputs arrive."""
+
+    metrics: ServerMetrics
+    num_tokens: int = 0
+    last_token_time: float | None = None
+    done: bool = field(default=False)
+
+    def on_output(self, out: RequestOutput) -> None:
+        m, t = self.metrics, out.metrics
+        new = max(len(out.new_token_ids), 1)
+        now = t.last_token_time or time.time()
+        if self.num_tokens == 0:
+            first = t.first_token_time or now
+            m.ttft.observe(max(first - t.arrival_time, 0.0))
+            if t.first_scheduled_time is not None:
+                m.queue.observe(max(t.first_scheduled_time - t.arrival_time, 0.0))
+            self.last_token_time = first
+            new -= 1
+        if new > 0 and self.last_token_time is not None:
+            gap = max(now - self.last_token_time, 0.0) / new
+            for _ in range(new):
+                m.itl.observe(gap)
+            self.last_token_time = now
+        self.num_tokens = len(out.outputs[0].token_ids)
+        if out.finished and not self.done:
+            self.done = True
+            end = t.finished_time or now
+            m.e2e.observe(max(end - t.arrival_time, 0.0))
+            if self.num_tokens > 1 and t.first_token_time is not None:
+                m.tpot.observe(max(end - t.first_token_time, 0.0) / (self.num_tokens - 1))
+            reason = out.outputs[0].finish_reason or "unknown"
+            m.request_success.labels(m.model_name, reason).inc()

@@ -1,0 +1,351 @@
+"""The OpenAI wire format: request and response models, and their mapping to SamplingParams.
+
+Requests accept OpenAI's fields plus vLLM's sampling extensions (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, ...) and ignore unknown fields, as both servers
+do, so clients written for either work unchanged. Responses are built from these models so
+that the JSON shape (including the `null`s clients key on) is defined in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from kvflow.sampling.params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request the server understood but cannot serve (HTTP 400, or `status`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- requests -------------------------------------------------------------------------------
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    priority: int = 0
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """SamplingParams for a prompt of `prompt_len` tokens, or InvalidRequestError/ValueError.
+
+        An absent max_tokens means "until the context is full", as in vLLM; an explicit one
+        that cannot fit next to the prompt is refused up front with both numbers, rather
+        than silently truncated.
+        """
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens, but the prompt is "
+                f"{prompt_len} tokens (the prompt plus at least one generated token must fit).",
+                param="prompt" if hasattr(self, "prompt") else "messages",
+                code="context_length_exceeded",
+            )
+        max_tokens = self.requested_max_tokens()
+        name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens < 1:
+            raise InvalidRequestError(f"{name} must be at least 1, got {max_tokens}", param=name)
+        elif max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or of max_tokens.",
+                param=name,
+                code="context_length_exceeded",
+            )
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return SamplingParams(
+            n=1 if self.n is None else self.n,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a string or token ids); batches of prompts are refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > 1:
+                raise InvalidRequestError("only one prompt per request is supported yet", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise InvalidRequestError("prompt: the prompt is empty", param="prompt")
+        return prompt
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The dict a chat template expects: text parts joined, `developer` read as `system`."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+# ---- responses ------------------------------------------------------------------------------
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogProbs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """A delta carries only what changed: {"content": "..."}, never {"role": null}."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(OpenAIModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvflow"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+# ---- logprobs in OpenAI's two formats -------------------------------------------------------
+TokenDecoder = Callable[[int], str]
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one step (the engine adds the sampled one when outside them)."""
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: TokenDecoder, offset: int = 0
+) -> CompletionLogProbs:
+    """The legacy completions shape: parallel lists, text_offset counted in characters."""
+    out = CompletionLogProbs()
+    for tid, entry in zip(token_ids, logprobs):
+        token = decode(tid)
+        out.tokens.append(token)
+        out.token_logprobs.append(entry.get(tid))
+        out.top_logprobs.append({decode(t): lp for t, lp in _top(entry, k)})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: TokenDecoder) -> ChatLogprobs:
+    """The chat shape: one object per token, with its UTF-8 bytes and its top alternatives."""
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        token = decode(tid)
+        tops = [TopLogprob(token=decode(t), logprob=lp, bytes=list(decode(t).encode("utf-8"))) for t, lp in _top(entry, k)]
+        content.append(ChatLogprobToken(token=token, logprob=entry.get(tid, -9999.0),
+                                        bytes=list(token.encode("utf-8")), top_logprobs=tops))
+    return ChatLogprobs(content=content)

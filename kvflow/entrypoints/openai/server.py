@@ -1,0 +1,408 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
+
+`build_app` wires one engine to one app: /v1/models, /v1/completions, /v1/chat/completions
+(JSON or SSE streaming in OpenAI's chunk format), /health, /metrics and /version. Every error
+leaves in OpenAI's shape {"error": {message, type, param, code}} with the status an OpenAI
+client expects, so SDK exception classes map one to one. A request whose client went away
+is aborted in the engine (its KV blocks freed before the next step): streams notice on the
+failed write or on a disconnect poll, non-streaming requests on the poll alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestStream,
+)
+from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvflow.outputs import RequestOutput
+from kvflow.sampling.detokenizer import stop_string_holdback
+from kvflow.sampling.params import SamplingParams
+
+DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
+_FIELD = re.compile(r"[A-Za-z_]+")
+_KNOWN_PARAMS = (set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
+                 | {"stop_token_ids", "request_id"})
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was complete."""
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _param_of(message: str) -> str | None:
+    """Validation messages start with the field name ("temperature must be ..."); recover it."""
+    m = _FIELD.match(message)
+    return m.group(0) if m and m.group(0) in _KNOWN_PARAMS else None
+
+
+class TextStreamer:
+    """Cuts cumulative output text into deltas that never leak part of a stop string.
+
+    While running, a tail that is a proper prefix of a stop string is held back (the next
+    token may complete it, and then the engine removes it); once finished, all is flushed.
+    """
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop, self.sent = stop, 0
+
+    def delta(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else len(text) - stop_string_holdback(text, self.stop)
+        if end <= self.sent:
+            return ""
+        chunk, self.sent = text[self.sent:end], end
+        return chunk
+
+
+class _APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware): checks /v1 keys before any parsing, leaves streams alone."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """Closes its generator however the response ends, so the engine request is aborted now.
+
+    Without this, a write to a vanished client raises out of Starlette's loop and leaves the
+    generator suspended until garbage collection, holding KV blocks meanwhile.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def _sse(payload: p.OpenAIModel) -> str:
+    exclude = {"usage"} if getattr(payload, "usage", 0) is None else None
+    return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+
+
+class OpenAIServer:
+    """Request handling shared by the routes: validation, submission, collection, formatting."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.decode_token = functools.lru_cache(maxsize=1 << 16)(self._decode_token)  # logprobs repeat tokens
+
+    # ---- request preparation -----------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise p.InvalidRequestError(f"The model `{model}` does not exist.", param="model", status=404,
+                                        code="model_not_found")
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, list):
+            return None, [int(t) for t in prompt]
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise p.InvalidRequestError("prompt: this model has no tokenizer; send token ids", param="prompt")
+        return prompt, tok(prompt).input_ids  # as LLMEngine.tokenize does, so results match LLM.generate
+
+    def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[str, list[int]]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
+                                        param="messages")
+        conversation = [m.to_template_dict() for m in body.messages]
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                                           **(body.chat_template_kwargs or {}))
+        except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
+            raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
+                                        param="messages") from exc
+        return text, tok(text, add_special_tokens=False).input_ids
+
+    def _decode_token(self, token_id: int) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:  # a model without a tokenizer: name tokens by id, as vLLM's token-id mode does
+            return f"token_id:{token_id}"
+        return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    async def submit(self, prefix: str, text: str | None, ids: list[int], params: SamplingParams,
+                     priority: int) -> RequestStream:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                             priority=priority)
+
+    # ---- consuming a request's outputs --------------------------------------------------------
+    async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, recorded in the metrics; aborts it if the client leaves."""
+        tracker = self.metrics.tracker()
+        pending: asyncio.Task | None = None
+        loop = asyncio.get_running_loop()
+        last_check = loop.time()
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(stream.next())
+                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
+                if loop.time() - last_check >= DISCONNECT_POLL_S:  # also while tokens flow
+                    last_check = loop.time()
+                    if await raw.is_disconnected():
+                        raise ClientDisconnected()
+                if not done:
+                    continue
+                task, pending = pending, None
+                out = task.result()
+                if out is None:
+                    return
+                tracker.on_output(out)
+                yield out
+        finally:
+            if pending is not None:
+                pending.cancel()
+            stream.abort()  # no-op once finished
+
+    async def final_output(self, stream: RequestStream, raw: Request) -> RequestOutput:
+        final = None
+        async for out in self.outputs(stream, raw):
+            final = out
+        if final is None or not final.finished:
+            raise ClientDisconnected()
+        return final
+
+    def logprob_args(self, out: RequestOutput, new_only: bool) -> tuple[list[int], list[dict[int, float]]]:
+        comp = out.outputs[0]
+        ids, lps = comp.token_ids, comp.logprobs or []
+        if new_only:
+            n = len(out.new_token_ids)
+            ids, lps = ids[len(ids) - n:], lps[len(lps) - n:]
+        return ids, lps
+
+    # ---- /v1/completions ------------------------------------------------------------------------
+    async def completion(self, body: p.CompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        text, ids = self.tokenize_prompt(body.single_prompt())
+        if body.echo and body.logprobs is not None:
+            raise p.InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed)",
+                                        param="echo")
+        params = body.to_sampling_params(len(ids), self.engine.max_model_len)
+        stream = await self.submit("cmpl", text, ids, params, body.priority)
+        echo = ""
+        if body.echo:
+            echo = text if text is not None else "".join(self.decode_token(t) for t in ids)
+        if body.stream:
+            return _sse_response(self._completion_events(stream, raw, body, params, len(ids), echo))
+        out = await self.final_output(stream, raw)
+        comp = out.outputs[0]
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = p.completion_logprobs(*self.logprob_args(out, False), params.logprobs, self.decode_token)
+        choice = p.CompletionChoice(text=echo + comp.text, logprobs=logprobs, finish_reason=comp.finish_reason,
+                                    stop_reason=comp.stop_reason)
+        resp = p.CompletionResponse(id=stream.request_id, model=self.model_name, choices=[choice],
+                                    usage=p.UsageInfo.of(len(ids), len(comp.token_ids)))
+        return _json(resp)
+
+    async def _completion_events(self, stream: RequestStream, raw: Request, body: p.CompletionRequest,
+                                 params: SamplingParams, prompt_len: int, echo: str) -> AsyncIterator[str]:
+        created, streamer, offset, completion_tokens = int(time.time()), TextStreamer(params.stop), 0, 0
+
+        def chunk(text: str, **kw: Any) -> str:
+            choice = p.CompletionChoice(text=text, **kw)
+            return _sse(p.CompletionStreamResponse(id=stream.request_id, created=created, model=self.model_name,
+                                                   choices=[choice]))
+
+        try:
+            if echo:
+                yield chunk(echo)
+            async for out in self.outputs(stream, raw):
+                comp = out.outputs[0]
+                completion_tokens = len(comp.token_ids)
+                delta = streamer.delta(comp.text, out.finished)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = p.completion_logprobs(*self.logprob_args(out, True), params.logprobs,
+                                                     self.decode_token, offset)
+                    offset += sum(len(t) for t in logprobs.tokens)
+                if delta or logprobs is not None or out.finished:
+                    yield chunk(delta, logprobs=logprobs, finish_reason=comp.finish_reason if out.finished else None,
+                                stop_reason=comp.stop_reason if out.finished else None)
+            if body.include_usage:
+                yield _sse(p.CompletionStreamResponse(id=stream.request_id, created=created, model=self.model_name,
+                                                      choices=[], usage=p.UsageInfo.of(prompt_len, completion_tokens)))
+        except ClientDisconnected:
+            return
+        except (EngineStepError, EngineDeadError) as exc:
+            yield _sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------
+    async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        text, ids = self.chat_prompt(body)
+        params = body.to_sampling_params(len(ids), self.engine.max_model_len)
+        stream = await self.submit("chatcmpl", text, ids, params, body.priority)
+        if body.stream:
+            return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
+        out = await self.final_output(stream, raw)
+        comp = out.outputs[0]
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = p.chat_logprobs(*self.logprob_args(out, False), params.logprobs, self.decode_token)
+        choice = p.ChatChoice(message=p.ChatResponseMessage(content=comp.text), logprobs=logprobs,
+                              finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+        resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=[choice],
+                                        usage=p.UsageInfo.of(len(ids), len(comp.token_ids)))
+        return _json(resp)
+
+    async def _chat_events(self, stream: RequestStream, raw: Request, body: p.ChatCompletionRequest,
+                           params: SamplingParams, prompt_len: int) -> AsyncIterator[str]:
+        created, streamer, completion_tokens = int(time.time()), TextStreamer(params.stop), 0
+
+        def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
+            return _sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
+                                              choices=choices, usage=usage))
+
+        try:
+            yield chunk([p.ChatStreamChoice(delta=p.DeltaMessage(role="assistant", content=""))])
+            async for out in self.outputs(stream, raw):
+                comp = out.outputs[0]
+                completion_tokens = len(comp.token_ids)
+                delta = streamer.delta(comp.text, out.finished)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = p.chat_logprobs(*self.logprob_args(out, True), params.logprobs, self.decode_token)
+                if delta or logprobs is not None:
+                    yield chunk([p.ChatStreamChoice(delta=p.DeltaMessage(content=delta), logprobs=logprobs)])
+                if out.finished:
+                    yield chunk([p.ChatStreamChoice(delta=p.DeltaMessage(), finish_reason=comp.finish_reason)])
+            if body.include_usage:
+                yield chunk([], usage=p.UsageInfo.of(prompt_len, completion_tokens))
+        except ClientDisconnected:
+            return
+        except (EngineStepError, EngineDeadError) as exc:
+            yield _sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
+        yield "data: [DONE]\n\n"
+
+
+def _json(model: p.OpenAIModel) -> Response:
+    """Pydantic's JSON (a non-finite logprob becomes null) rather than json.dumps, which rejects it."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return _AbortingStreamingResponse(events, media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              metrics: ServerMetrics | None = None) -> FastAPI:
+    """An app serving `engine` as model `served_model_name`; /v1 routes need `api_key` if given."""
+    from kvflow import __version__
+
+    metrics = metrics or ServerMetrics(served_model_name)
+    server = OpenAIServer(engine, served_model_name, metrics)
+    app = FastAPI(title="kvflow", version=__version__)
+    app.state.kvflow = server
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(engine.get_stats()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = p.ModelCard(id=served_model_name, root=getattr(engine.engine, "model_path", None),
+                           max_model_len=engine.max_model_len)
+        return p.ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, raw: Request) -> Response:
+        return await server.completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
+        return await server.chat(body, raw)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            detail = (first.get("ctx") or {}).get("error", "")
+            return error_response(400, f"Malformed JSON in the request body: {detail}".rstrip(": "))
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        messages = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                             for e in errors)
+        return error_response(400, messages or "invalid request", param=loc[0] if loc else None)
+
+    @app.exception_handler(p.InvalidRequestError)
+    async def on_invalid(_: Request, exc: p.InvalidRequestError) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(exc.status, exc.message, type_, exc.param, exc.code)
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc), param=_param_of(str(exc)))
+
+    @app.exception_handler(EngineOverloadedError)
+    async def on_overload(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        return error_response(503, str(exc), "server_overloaded", code="overloaded",
+                              headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc), "server_error", code="engine_dead")
+
+    @app.exception_handler(EngineStepError)
+    async def on_step_error(_: Request, exc: EngineStepError) -> JSONResponse:
+        return error_response(500, str(exc), "server_error", code="engine_step_failed")
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))

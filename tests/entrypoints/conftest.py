@@ -1,0 +1,102 @@
+"""A real kvflow server on a loopback port, started once per test module.
+
+The server runs uvicorn in a background thread of the test process, so tests can drive it
+over HTTP like any client and still read the engine's own stats (free blocks) directly.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+try:
+    import httpx
+except ImportError:  # the openai client may ship its HTTP stack as `httpx2`
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+import uvicorn
+
+from kvflow.config import EngineConfig
+from kvflow.entrypoints.async_engine import AsyncEngine
+from kvflow.entrypoints.openai.server import build_app
+
+API_KEY = "test-key"
+MODEL_NAME = "smollm2"
+# float32 so that greedy text through the server equals LLM.generate bit for bit.
+ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048, seed=0)
+
+
+@dataclass
+class LiveServer:
+    base_url: str  # http://127.0.0.1:PORT
+    api_key: str
+    model: str
+    engine: AsyncEngine
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def wait_pool_free(self, timeout: float = 2.0) -> bool:
+        """True once every KV block is back in the pool (idle cached blocks count as free)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine.get_stats()
+            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0 and stats.num_waiting == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+
+def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return server, thread, port
+
+
+@pytest.fixture(scope="module")
+def live_server():
+    engine = AsyncEngine.from_config(EngineConfig(**ENGINE_KWARGS), max_waiting=1024)
+    app = build_app(engine, MODEL_NAME, API_KEY)
+    server, thread, port = start_uvicorn(app)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, MODEL_NAME, engine)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(smollm2_fp32):
+    """An offline `LLM` with the server's engine settings, sharing nothing with any server.
+
+    The session's shared fp32 engine (tests/conftest.py) has exactly ENGINE_KWARGS, so
+    reusing it saves a weight load.
+    """
+    return smollm2_fp32
+
+
+@pytest.fixture(scope="module")
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=120) as client:
+        yield client

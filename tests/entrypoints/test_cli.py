@@ -1,0 +1,119 @@
+"""The `kvflow` command line: plan (no weights), generate (console script) and chat."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvflow.entrypoints import cli
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+}
+SMALL_ENGINE = ["--kv-cache-memory", "64MiB", "--max-model-len", "512", "--dtype", "float32"]
+
+
+@pytest.fixture
+def llama3_config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA3_8B))
+    return path
+
+
+def kvflow_command() -> list[str]:
+    script = Path(sys.executable).parent / "kvflow"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("kvflow")
+    return [found] if found else [sys.executable, "-m", "kvflow.entrypoints.cli"]
+
+
+@pytest.mark.parametrize("as_dir", [False, True])
+def test_plan_llama3_8b_without_weights(llama3_config, capsys, as_dir):
+    model = str(llama3_config.parent if as_dir else llama3_config)
+    assert cli.main(["plan", "--model", model, "--kv-cache-memory", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    # 32 layers x (K, V) x 8 kv heads x 128 head dim x 2 bytes (bf16)
+    assert "131,072 B" in out
+    # 4 GiB / (131072 B x 16 tokens per block)
+    assert f"{(4 << 30) // (131072 * 16):,} blocks" in out and "2,048 blocks" in out
+    assert "8,192 tokens" in out and "bfloat16" in out
+
+
+def test_plan_options_and_errors(llama3_config, capsys):
+    assert cli.main(["plan", "--model", str(llama3_config), "--dtype", "float32", "--block-size", "32",
+                     "--max-model-len", "4096", "--kv-cache-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "262,144 B" in out and "128 blocks" in out and "4,096 tokens" in out
+    # too little memory for one sequence: a one-line error, exit status 2, no traceback
+    assert cli.main(["plan", "--model", str(llama3_config), "--kv-cache-memory", "1MiB"]) == 2
+    assert "kv_cache_memory" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert cli.parse_bytes("4GiB") == 4 << 30
+    assert cli.parse_bytes("512MiB") == 512 << 20
+    assert cli.parse_bytes("1073741824") == 1 << 30
+    assert cli.parse_bytes("1.5 GB") == 1_500_000_000
+    for bad in ("lots", "4XB", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.parse_bytes(bad)
+
+
+def test_parser_has_subcommands_and_engine_options():
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--port", "9001", "--api-key", "k", "--max-waiting", "4",
+                              "--kv-cache-memory", "512MiB", "--no-enable-prefix-caching", "--num-threads", "2"])
+    config = cli.engine_config_from_args(args)
+    assert args.func is cli.run_serve and args.host == "127.0.0.1" and args.port == 9001
+    assert config.kv_cache_memory == 512 << 20 and config.enable_prefix_caching is False and config.num_threads == 2
+    assert cli.main([]) == 2  # no subcommand: help, failure status
+
+
+def test_generate_console_script():
+    cmd = kvflow_command() + ["generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+                              *SMALL_ENGINE]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), proc.stderr
+
+
+def test_chat_keeps_history_and_quits(monkeypatch, offline_llm):
+    stdin = io.StringIO("Say hello.\n\nWhat did I ask you?\n/exit\nnever read\n")
+    stdout = io.StringIO()
+    args = cli.build_parser().parse_args(["chat", "--max-tokens", "6", "--temperature", "0", *SMALL_ENGINE])
+    seen: list[list[dict]] = []
+    real = type(offline_llm).apply_chat_template
+
+    def spy(self, conversation, add_generation_prompt=True):
+        seen.append([dict(m) for m in conversation])
+        return real(self, conversation, add_generation_prompt)
+
+    monkeypatch.setattr(type(offline_llm), "apply_chat_template", spy)
+    monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)  # weights load once per session
+    assert cli.run_chat(args, stdin=stdin, stdout=stdout) == 0
+    assert len(seen) == 2  # the empty line is skipped, /exit stops before "never read"
+    second = seen[1]
+    assert [m["role"] for m in second] == ["user", "assistant", "user"]
+    assert second[1]["content"] and second[1]["content"] in stdout.getvalue()
+    assert stdout.getvalue().count("> ") == 4
+    assert not offline_llm.engine.has_unfinished_requests()

@@ -1,0 +1,125 @@
+"""The offline API: vLLM-shaped results, clear errors for bad input, aborts that free blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _pool_is_whole(llm: LLM) -> None:
+    llm.engine.check_integrity()
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_generate_returns_vllm_shaped_outputs_in_order(smollm2_fp32):
+    prompts = ["Hello, my name is", {"prompt_token_ids": [504, 3575, 282]}, "The sky is"]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), GREEDY]
+    outs = smollm2_fp32.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello, my name is", None, "The sky is"]
+    assert outs[1].prompt_token_ids == [504, 3575, 282]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 3, 12]
+    assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outs)
+    assert outs[0].outputs[0].text == smollm2_fp32.get_tokenizer().decode(outs[0].outputs[0].token_ids)
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    _pool_is_whole(smollm2_fp32)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda llm: llm.generate("", GREEDY, use_tqdm=False), "prompt"),
+        (lambda llm: llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False), "prompt"),
+        (lambda llm: llm.generate({"prompt_token_ids": [5] * 3000}, GREEDY, use_tqdm=False), "max_model_len"),
+        (lambda llm: llm.generate({"prompt_token_ids": [10**7]}, GREEDY, use_tqdm=False), "prompt"),
+        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=-1), use_tqdm=False), "max_tokens"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5), use_tqdm=False), "top_p"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0), use_tqdm=False), "top_p"),
+        (lambda llm: llm.generate(["a", "b"], [GREEDY], use_tqdm=False), "sampling_params"),
+        (lambda llm: llm.chat([], GREEDY, use_tqdm=False), "messages"),
+    ],
+)
+def test_bad_input_names_the_parameter_and_engine_keeps_serving(smollm2_fp32, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(smollm2_fp32)
+    _pool_is_whole(smollm2_fp32)
+    out = smollm2_fp32.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 12
+
+
+def test_bad_batch_leaves_nothing_behind(smollm2_fp32):
+    with pytest.raises(ValueError, match="prompt"):
+        smollm2_fp32.generate(["fine", "", "also fine"], GREEDY, use_tqdm=False)
+    assert not smollm2_fp32.engine.has_unfinished_requests()
+    _pool_is_whole(smollm2_fp32)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="model.*does not exist"):
+        LLM("/nonexistent/model/dir")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 7)
+    with pytest.raises(ValueError, match="corrupt"):
+        LLM(str(bad))
+
+
+def test_abort_frees_blocks_and_leaves_others_unchanged(smollm2_fp32):
+    engine = smollm2_fp32.engine
+    alone = smollm2_fp32.generate(["Tell me about cats.", "Tell me about dogs."], GREEDY, use_tqdm=False)
+    engine.add_request("keep-1", "Tell me about cats.", GREEDY)
+    engine.add_request("victim", "A long story: " * 20, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.add_request("keep-2", "Tell me about dogs.", GREEDY)
+    for _ in range(3):
+        engine.step()
+    used_before = engine.kv_cache_manager.num_blocks - engine.kv_cache_manager.num_free_blocks
+    assert engine.abort_request("victim")
+    used_after = engine.kv_cache_manager.num_blocks - engine.kv_cache_manager.num_free_blocks
+    assert used_after < used_before
+    assert not engine.abort_request("victim")  # already gone
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "victim"
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["keep-1"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert finals["keep-2"].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    _pool_is_whole(smollm2_fp32)
+
+
+def test_stop_strings_and_stop_tokens(smollm2_fp32):
+    base = smollm2_fp32.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
+    words = base.text.split()
+    stop = words[2]
+    out = smollm2_fp32.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                                use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and base.text.startswith(out.text)
+    tok = base.token_ids[3]
+    first = base.token_ids.index(tok)  # generation stops at the token's first occurrence
+    out = smollm2_fp32.generate("The capital of France is",
+                                SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tok]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == base.token_ids[: first + 1] and out.outputs[0].stop_reason == tok
+
+
+def test_seeded_sampling_is_reproducible_across_batches(smollm2_fp32):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = smollm2_fp32.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids
+    batch = smollm2_fp32.generate(["Hello", "Once upon a time", "Why"],
+                                  [SamplingParams(temperature=1.0, max_tokens=10), params,
+                                   SamplingParams(temperature=0.7, max_tokens=5, seed=9)], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_progress_bar(smollm2_fp32, capsys):
+    smollm2_fp32.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+    smollm2_fp32.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err

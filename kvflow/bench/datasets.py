@@ -1,0 +1,64 @@
+"""Benchmark request sets. `random` reproduces the W-offline workload definition exactly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def random_requests(
+    num_prompts: int = 32,
+    input_len: tuple[int, int] = (32, 512),
+    output_len: tuple[int, int] = (32, 256),
+    seed: int = 0,
+    token_range: tuple[int, int] = (1000, 40000),
+) -> list[BenchRequest]:
+    """Lengths drawn first, then each prompt in order, as W-offline specifies (bounds inclusive)."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(input_len[0], input_len[1] + 1, num_prompts)
+    output_lens = rng.integers(output_len[0], output_len[1] + 1, num_prompts)
+    return [
+        BenchRequest(rng.integers(token_range[0], token_range[1], size=int(n)).tolist(), int(m))
+        for n, m in zip(prompt_lens, output_lens)
+    ]
+
+
+def prefix_requests(
+    num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 64, output_len: int = 32,
+    seed: int = 2, token_range: tuple[int, int] = (1000, 40000),
+) -> list[BenchRequest]:
+    """N requests sharing one system prompt (W-prefix: prefix from default_rng(2), suffixes from seed+1)."""
+    prefix = np.random.default_rng(seed).integers(token_range[0], token_range[1], size=prefix_len).tolist()
+    rng = np.random.default_rng(seed + 1)
+    return [
+        BenchRequest(prefix + rng.integers(token_range[0], token_range[1], size=suffix_len).tolist(), output_len)
+        for _ in range(num_prompts)
+    ]
+
+
+def jsonl_requests(path: str, tokenizer, default_output_len: int = 128) -> list[BenchRequest]:
+    """One JSON object per line: {"prompt": str} or {"prompt_token_ids": [...]}, optional "output_len"."""
+    requests = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt_token_ids" in row:
+                ids = [int(t) for t in row["prompt_token_ids"]]
+            elif "prompt" in row:
+                if tokenizer is None:
+                    raise ValueError(f"{path}:{line_no}: text prompts need a model with a tokenizer")
+                ids = tokenizer(row["prompt"]).input_ids
+            else:
+                raise ValueError(f"{path}:{line_no}: needs 'prompt' or 'prompt_token_ids'")
+            requests.append(BenchRequest(ids, int(row.get("output_len", default_output_len))))
+    return requests

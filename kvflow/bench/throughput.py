@@ -1,0 +1,160 @@
+"""`kvflow bench throughput`: offline throughput on a fixed request set.
+
+All requests are submitted at once and the engine steps until the last token; wall time
+runs from submission to that token. Output lengths are exact (`ignore_eos`). A warm-up
+pass on a *different* draw of the same shapes comes first, so the timed prompts are never
+served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+from kvflow.bench.datasets import BenchRequest, jsonl_requests, prefix_requests, random_requests
+
+
+@dataclass
+class ThroughputResult:
+    engine: str
+    dtype: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    requests_per_s: float
+    total_tokens_per_s: float
+    output_tokens_per_s: float
+    peak_rss_mb: float
+    peak_kv_usage: float = 0.0
+    preemptions: int = 0
+    computed_tokens: int = 0
+    mean_ttft_s: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.engine} ({self.dtype}): {self.num_requests} requests, {self.prompt_tokens} prompt + "
+            f"{self.output_tokens} output tokens in {self.wall_s:.2f} s\n"
+            f"  {self.requests_per_s:.2f} req/s, {self.total_tokens_per_s:.1f} total tok/s, "
+            f"{self.output_tokens_per_s:.1f} output tok/s\n"
+            f"  peak RSS {self.peak_rss_mb:.0f} MB, peak KV usage {self.peak_kv_usage:.1%}, "
+            f"preemptions {self.preemptions}, tokens computed {self.computed_tokens}, mean TTFT {self.mean_ttft_s * 1e3:.0f} ms"
+        )
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, label: str = "kvflow") -> ThroughputResult:
+    """Submit everything at once, step to the end, and measure."""
+    from kvflow.sampling.params import SamplingParams
+
+    stats0 = engine.get_stats()
+    start = time.perf_counter()
+    t0 = time.time()
+    for i, req in enumerate(requests):
+        params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
+        engine.add_request(f"bench-{t0}-{i}", {"prompt_token_ids": req.prompt_token_ids}, params, arrival_time=t0)
+    bar = None
+    if use_tqdm:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(r.output_len for r in requests), desc="output tokens", dynamic_ncols=True)
+    peak_kv, ttfts = 0.0, []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        peak_kv = max(peak_kv, engine.kv_cache_manager.usage)
+        for out in outputs:
+            if len(out.outputs[0].token_ids) == 1:
+                ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        if bar is not None:
+            bar.update(len(outputs))
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    stats = engine.get_stats()
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    output = sum(r.output_len for r in requests)
+    return ThroughputResult(
+        engine=label,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        num_requests=len(requests),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        wall_s=wall,
+        requests_per_s=len(requests) / wall,
+        total_tokens_per_s=(prompt + output) / wall,
+        output_tokens_per_s=output / wall,
+        peak_rss_mb=peak_rss_mb(),
+        peak_kv_usage=peak_kv,
+        preemptions=stats.num_preemptions - stats0.num_preemptions,
+        computed_tokens=stats.computed_tokens - stats0.computed_tokens,
+        mean_ttft_s=sum(ttfts) / max(len(ttfts), 1),
+    )
+
+
+def build_requests(args: argparse.Namespace, seed: int, tokenizer=None) -> list[BenchRequest]:
+    if args.dataset == "random":
+        return random_requests(args.num_prompts, (args.input_len_min, args.input_len_max),
+                               (args.output_len_min, args.output_len_max), seed)
+    if args.dataset == "prefix":
+        return prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.output_len_max, seed)
+    return jsonl_requests(args.dataset_path, tokenizer, args.output_len_max)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf or config.json (with --load-format dummy)")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dataset", choices=["random", "prefix", "jsonl"], default="random")
+    parser.add_argument("--dataset-path", help="for --dataset jsonl")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len-min", type=int, default=32)
+    parser.add_argument("--input-len-max", type=int, default=512)
+    parser.add_argument("--output-len-min", type=int, default=32)
+    parser.add_argument("--output-len-max", type=int, default=256)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--suffix-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="dataset seed (W-offline: 0)")
+    parser.add_argument("--warmup-seed", type=int, default=100, help="a different draw for warm-up; -1 to skip")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", type=int, default=None)
+    parser.add_argument("--no-enable-prefix-caching", action="store_true")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--output", help="write the result as JSON here")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> ThroughputResult:
+    from kvflow.config import EngineConfig
+    from kvflow.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_enable_prefix_caching, num_threads=args.num_threads,
+    ))
+    if args.warmup_seed >= 0:
+        run_kvflow(engine, build_requests(args, args.warmup_seed, engine.tokenizer))
+    result = run_kvflow(engine, build_requests(args, args.seed, engine.tokenizer), use_tqdm=not args.no_progress)
+    print(result.summary())
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"result": asdict(result), "args": vars(args), "machine": platform.processor() or platform.machine()}, f, indent=2)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvflow bench throughput", description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,10 +7,13 @@ and layers never touch a transformers config object.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("kvflow")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -109,6 +112,19 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     if window is None or (arch.startswith("Qwen") and not cfg.get("use_sliding_window", False)):
         return None
     return int(window)
+
+
+def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+    """The context length the engine serves: the model's, or a smaller one the user asked for."""
+    limit = cfg.max_position_embeddings
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
+    length = limit if requested is None else requested
+    if cfg.sliding_window is not None and length > cfg.sliding_window:
+        # Sliding-window attention is not implemented: stay inside the window, where attention is exact.
+        logger.warning("max_model_len capped at the model's sliding window (%d)", cfg.sliding_window)
+        length = cfg.sliding_window
+    return length
 
 
 def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig | None = None) -> torch.dtype:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvflow.config import EngineConfig, ModelConfig, resolve_dtype
+from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan, plan_kv_cache
 from kvflow.engine.model_runner import ModelRunner, SampledToken
@@ -73,7 +73,7 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.model_config: ModelConfig = load_model_config(path)
-        self.max_model_len = self._resolve_max_model_len(self.model_config, config.max_model_len)
+        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.plan: KVCachePlan = plan_kv_cache(
             self.model_config,
@@ -105,21 +105,6 @@ class LLMEngine:
         )
 
     # ---- set-up helpers ----------------------------------------------------------------
-    @staticmethod
-    def _resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-        limit = cfg.max_position_embeddings
-        if requested is None:
-            length = limit
-        elif requested > limit:
-            raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
-        else:
-            length = requested
-        if cfg.sliding_window is not None and length > cfg.sliding_window:
-            # Sliding-window attention is not implemented: stay inside the window, where it is exact.
-            logger.warning("max_model_len capped at the model's sliding window (%d)", cfg.sliding_window)
-            length = cfg.sliding_window
-        return length
-
     @staticmethod
     def _load_tokenizer(path: str):
         """The model's tokenizer, or None for a bare directory (then prompts must be token ids)."""

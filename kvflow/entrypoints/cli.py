@@ -1,4 +1,4 @@
-"""The `kvflow` command: serve, generate, chat and plan.
+"""The `kvflow` command: serve, generate, chat, plan and bench.
 
 Each subcommand registers itself from one `register_*` function listed in `SUBCOMMANDS`, so
 a new one (say `bench`) is one function and one list entry; engine options are shared by
@@ -219,15 +219,14 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from kvflow.config import resolve_dtype
-    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.config import resolve_dtype, resolve_max_model_len
     from kvflow.engine.memory_plan import plan_kv_cache
     from kvflow.loader import load_model_config, resolve_model_path
 
     path = resolve_model_path(args.model)
     cfg = load_model_config(path)
     dtype = resolve_dtype(args.dtype, cfg)
-    max_model_len = LLMEngine._resolve_max_model_len(cfg, args.max_model_len)
+    max_model_len = resolve_max_model_len(cfg, args.max_model_len)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
                          memory_utilization=args.memory_utilization)
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
@@ -235,9 +234,22 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench ----------------------------------------------------------------------------------
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    from kvflow.bench import throughput
+
+    p = sub.add_parser("bench", help="benchmarks: throughput")
+    kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    t = kinds.add_parser("throughput", help="offline throughput (W-offline by default)")
+    add_model_args(t)
+    add_runtime_args(t)
+    throughput.add_arguments(t)
+    t.set_defaults(func=lambda args: throughput.run(engine_config_from_args(args), args) and 0)
+
+
 # ---- entry point ----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    register_serve, register_generate, register_chat, register_plan,
+    register_serve, register_generate, register_chat, register_plan, register_bench,
 ]
 
 

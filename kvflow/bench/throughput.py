@@ -108,53 +108,34 @@ def build_requests(args: argparse.Namespace, seed: int, tokenizer=None) -> list[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory, .gguf or config.json (with --load-format dummy)")
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--dataset", choices=["random", "prefix", "jsonl"], default="random")
-    parser.add_argument("--dataset-path", help="for --dataset jsonl")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len-min", type=int, default=32)
-    parser.add_argument("--input-len-max", type=int, default=512)
-    parser.add_argument("--output-len-min", type=int, default=32)
-    parser.add_argument("--output-len-max", type=int, default=256)
-    parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--suffix-len", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0, help="dataset seed (W-offline: 0)")
-    parser.add_argument("--warmup-seed", type=int, default=100, help="a different draw for warm-up; -1 to skip")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", type=int, default=None)
-    parser.add_argument("--no-enable-prefix-caching", action="store_true")
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--output", help="write the result as JSON here")
-    parser.add_argument("--no-progress", action="store_true")
+    """Workload options; engine options come from the CLI's shared groups."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--dataset", choices=["random", "prefix", "jsonl"], default="random")
+    g.add_argument("--dataset-path", help="for --dataset jsonl")
+    g.add_argument("--num-prompts", type=int, default=32)
+    g.add_argument("--input-len-min", type=int, default=32)
+    g.add_argument("--input-len-max", type=int, default=512)
+    g.add_argument("--output-len-min", type=int, default=32)
+    g.add_argument("--output-len-max", type=int, default=256)
+    g.add_argument("--prefix-len", type=int, default=1024)
+    g.add_argument("--suffix-len", type=int, default=64)
+    g.add_argument("--dataset-seed", type=int, default=0, help="dataset draw (W-offline: 0)")
+    g.add_argument("--warmup-seed", type=int, default=100, help="a different draw for warm-up; -1 to skip")
+    g.add_argument("--output", help="write the result as JSON here")
+    g.add_argument("--no-progress", action="store_true")
 
 
-def run(args: argparse.Namespace) -> ThroughputResult:
-    from kvflow.config import EngineConfig
+def run(config, args: argparse.Namespace) -> ThroughputResult:
+    """Warm up on another draw of the same shapes, then time the requested one."""
     from kvflow.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_enable_prefix_caching, num_threads=args.num_threads,
-    ))
+    engine = LLMEngine(config)
     if args.warmup_seed >= 0:
         run_kvflow(engine, build_requests(args, args.warmup_seed, engine.tokenizer))
-    result = run_kvflow(engine, build_requests(args, args.seed, engine.tokenizer), use_tqdm=not args.no_progress)
+    result = run_kvflow(engine, build_requests(args, args.dataset_seed, engine.tokenizer), use_tqdm=not args.no_progress)
     print(result.summary())
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"result": asdict(result), "args": vars(args), "machine": platform.processor() or platform.machine()}, f, indent=2)
+            json.dump({"result": asdict(result), "args": vars(args), "machine": platform.processor() or platform.machine()},
+                      f, indent=2, default=str)
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvflow bench throughput", description=__doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -165,13 +165,16 @@ class KVCacheManager:
                 self.pool.register(block, hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
 
     # ---- allocation ------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+    def num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> int:
+        """Blocks the free queue would lose: fresh ones plus idle cached ones pulled out of it."""
         cached = cached or []
         table = self.block_tables.get(seq.request_id, [])
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         new = max(0, total - len(table) - len(cached))
-        idle_cached = sum(1 for b in cached if b.ref_cnt == 0)  # leave the free queue when taken
-        return new <= self.pool.num_free_blocks - idle_cached
+        return new + sum(1 for b in cached if b.ref_cnt == 0)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+        return self.num_blocks_to_take(seq, num_new_tokens, cached) <= self.pool.num_free_blocks
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
         """Give `seq` blocks for `num_new_tokens` more tokens (after taking `cached` prefix blocks).

@@ -4,7 +4,8 @@ There are no prefill or decode phases, only a token budget per step
 (`max_num_batched_tokens`). Running sequences are served first: decodes (one token each),
 then unfinished prefills, whose remaining prompt is cut to what the budget has left
 (chunked prefill). Then waiting requests are admitted, in priority/arrival order, while
-`max_num_seqs`, the budget and free KV blocks allow; each starts after the longest prefix
+`max_num_seqs`, the budget and free KV blocks allow (keeping one free block per running
+sequence as headroom, so an admission does not force a preemption on the next decode); each starts after the longest prefix
 the cache already holds. When a running sequence needs a block and none is free, the
 lowest-priority running sequence (latest arrival under FCFS) is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later.
@@ -25,6 +26,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # Free blocks kept per running sequence when admitting a new one: without this headroom an
+    # admission can fill the pool, and the next decode step preempts (thrashing near a full cache).
+    admission_headroom_blocks: int = 1
 
 
 @dataclass
@@ -118,9 +122,13 @@ class Scheduler:
             num_cached = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             seq.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(seq, num_new, cached):
+            # Headroom: leave one free block per running sequence for its next decode, so that
+            # admitting a request does not immediately force a preemption (thrashing).
+            headroom = self.config.admission_headroom_blocks * len(self.running)
+            if self.kv.num_blocks_to_take(seq, num_new, cached) + headroom > self.kv.num_free_blocks:
                 seq.num_computed_tokens = 0
                 break
+            self.kv.allocate_slots(seq, num_new, cached)
             if seq.num_cached_tokens < 0:  # first admission: this is what the prefix cache saved
                 seq.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(seq.num_prompt_tokens, num_cached)

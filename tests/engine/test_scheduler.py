@@ -78,9 +78,12 @@ class Harness:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        headroom: int = 0,  # most tests build exact pool states; headroom has its own test
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.kv)
+        self.sched = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, admission_headroom_blocks=headroom), self.kv
+        )
         self.model = FakeModel(self.kv)
         self.targets: dict[str, int] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -439,3 +442,15 @@ def test_priority_chooses_the_victim():
     assert early_low.output_token_ids == reference_output(prompt(1, 7), 14)
     assert late_high.output_token_ids == reference_output(prompt(2, 7), 14)
     assert late_high.num_preemptions == 0
+
+
+def test_admission_keeps_decode_headroom():
+    """With headroom, the second prompt waits instead of filling the pool and being preempted."""
+    h = Harness(num_blocks=4, block_size=4, headroom=1)
+    h.add("a", prompt(1, 7), 14)
+    h.add("b", prompt(2, 7), 14)
+    h.step()
+    assert [s.request_id for s in h.sched.running] == ["a"]
+    assert h.kv.num_free_blocks == 2
+    h.run()
+    assert h.sched.num_preemptions == 0

@@ -101,10 +101,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 4),
         budget=st.integers(1, 16),
         prefix_caching=st.booleans(),
+        headroom=st.integers(0, 1),
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching):
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching, headroom=0):
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.kv)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, admission_headroom_blocks=headroom), self.kv)
         self.model = FakeModel(self.kv)
         self.capacity = num_blocks * block_size
         self.seqs: list[Sequence] = []
@@ -302,6 +303,7 @@ def run_random_program(seed: int) -> SchedulerMachine:
         max_num_seqs=rng.randint(1, 4),
         budget=rng.randint(1, 16),
         prefix_caching=rng.random() < 0.75,
+        headroom=rng.randint(0, 1),
     )
     for _ in range(rng.randint(1, 40)):
         r = rng.random()

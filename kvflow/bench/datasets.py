@@ -62,3 +62,27 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int = 128) -> list[
                 raise ValueError(f"{path}:{line_no}: needs 'prompt' or 'prompt_token_ids'")
             requests.append(BenchRequest(ids, int(row.get("output_len", default_output_len))))
     return requests
+
+
+def fit_token_range(token_range: tuple[int, int], vocab_size: int) -> tuple[int, int]:
+    """The workload's token-id range, shrunk into a vocabulary too small for it.
+
+    The published workloads draw ids from [1000, 40000), which only fits vocabularies of at
+    least 40,000 tokens; a smaller model (tests' tiny ones) would reject such prompts. The
+    range is returned unchanged whenever it fits, so the standard workloads stay exact.
+    """
+    low, high = token_range
+    if high <= vocab_size:
+        return low, high
+    return min(low, vocab_size // 2), vocab_size
+
+
+def parse_token_range(text: str) -> tuple[int, int]:
+    """'LOW,HIGH' (HIGH exclusive) from the command line."""
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"token range: expected LOW,HIGH, got {text!r}") from None
+    if not 0 <= low < high:
+        raise ValueError(f"token range: need 0 <= LOW < HIGH, got {text!r}")
+    return low, high

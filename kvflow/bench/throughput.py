@@ -4,18 +4,27 @@ All requests are submitted at once and the engine steps until the last token; wa
 runs from submission to that token. Output lengths are exact (`ignore_eos`). A warm-up
 pass on a *different* draw of the same shapes comes first, so the timed prompts are never
 served from the prefix cache.
+
+`--baseline hf` then runs the identical request list through transformers (see
+`hf_baseline`) in the same process, with the same dtype and threads, and prints
+kvflow/baseline ratios from that one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import resource
 import time
 from dataclasses import asdict, dataclass
 
-from kvflow.bench.datasets import BenchRequest, jsonl_requests, prefix_requests, random_requests
+import numpy as np
+
+from kvflow.bench.datasets import BenchRequest, fit_token_range, jsonl_requests, prefix_requests, random_requests
+
+WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
 
 @dataclass
@@ -98,13 +107,44 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
     )
 
 
-def build_requests(args: argparse.Namespace, seed: int, tokenizer=None) -> list[BenchRequest]:
+def build_requests(args: argparse.Namespace, seed: int, tokenizer=None,
+                   vocab_size: int | None = None) -> list[BenchRequest]:
+    """The request set; token ids stay in [1000, 40000) unless the model's vocabulary is smaller."""
+    token_range = WORKLOAD_TOKEN_RANGE if vocab_size is None else fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
     if args.dataset == "random":
         return random_requests(args.num_prompts, (args.input_len_min, args.input_len_max),
-                               (args.output_len_min, args.output_len_max), seed)
+                               (args.output_len_min, args.output_len_max), seed, token_range)
     if args.dataset == "prefix":
-        return prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.output_len_max, seed)
+        return prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.output_len_max, seed,
+                               token_range)
     return jsonl_requests(args.dataset_path, tokenizer, args.output_len_max)
+
+
+def warmup_requests(args: argparse.Namespace, timed: list[BenchRequest], tokenizer=None,
+                    vocab_size: int | None = None) -> list[BenchRequest]:
+    """A different draw for warm-up: never the timed prompts, which the prefix cache would then serve.
+
+    A JSONL file has no second draw, so its warm-up is random ids of the same lengths.
+    """
+    if args.dataset != "jsonl":
+        return build_requests(args, args.warmup_seed, tokenizer, vocab_size)
+    low, high = WORKLOAD_TOKEN_RANGE if vocab_size is None else fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
+    rng = np.random.default_rng(args.warmup_seed)
+    return [BenchRequest(rng.integers(low, high, size=len(r.prompt_token_ids)).tolist(), r.output_len) for r in timed]
+
+
+def ratios(ours: ThroughputResult, base: ThroughputResult) -> dict[str, float]:
+    """kvflow / baseline: above 1 is better for rates; below 1 is better for wall time."""
+    return {
+        "total_tokens_per_s": ours.total_tokens_per_s / base.total_tokens_per_s,
+        "output_tokens_per_s": ours.output_tokens_per_s / base.output_tokens_per_s,
+        "wall_s": ours.wall_s / base.wall_s,
+    }
+
+
+def describe_ratios(r: dict[str, float], baseline: str) -> str:
+    return (f"kvflow / {baseline} (same run): total tok/s x{r['total_tokens_per_s']:.2f}, "
+            f"output tok/s x{r['output_tokens_per_s']:.2f}, wall x{r['wall_s']:.2f} (below 1 = kvflow faster)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,20 +162,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-seed", type=int, default=0, help="dataset draw (W-offline: 0)")
     g.add_argument("--warmup-seed", type=int, default=100, help="a different draw for warm-up; -1 to skip")
     g.add_argument("--output", help="write the result as JSON here")
+    g.add_argument("--baseline", choices=["hf"], default=None,
+                   help="also run the same requests through transformers generate() and print the ratios")
+    g.add_argument("--baseline-batch-size", type=int, default=16, help="static batch size of the hf baseline")
     g.add_argument("--no-progress", action="store_true")
 
 
 def run(config, args: argparse.Namespace) -> ThroughputResult:
-    """Warm up on another draw of the same shapes, then time the requested one."""
+    """Warm up on another draw of the same shapes, then time the requested one (then the baseline)."""
     from kvflow.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
-    if args.warmup_seed >= 0:
-        run_kvflow(engine, build_requests(args, args.warmup_seed, engine.tokenizer))
-    result = run_kvflow(engine, build_requests(args, args.dataset_seed, engine.tokenizer), use_tqdm=not args.no_progress)
+    vocab = engine.model_config.vocab_size
+    requests = build_requests(args, args.dataset_seed, engine.tokenizer, vocab)
+    warmup = warmup_requests(args, requests, engine.tokenizer, vocab) if args.warmup_seed >= 0 else None
+    if warmup:
+        run_kvflow(engine, warmup)
+    result = run_kvflow(engine, requests, use_tqdm=not args.no_progress)
     print(result.summary())
+    report: dict = {"kind": "throughput", "result": asdict(result), "args": vars(args),
+                    "machine": platform.processor() or platform.machine()}
+    if args.baseline == "hf":
+        from kvflow.bench.hf_baseline import run_baseline
+
+        model_path, load_format, dtype = engine.model_path, config.load_format, engine.dtype
+        del engine  # free kvflow's weights and KV cache before transformers loads its copy
+        gc.collect()
+        base, setup = run_baseline(model_path, load_format, dtype, requests, warmup, args.baseline_batch_size,
+                                   use_tqdm=not args.no_progress)
+        r = ratios(result, base)
+        print(base.summary())
+        print(setup.describe())
+        print("(peak RSS is the process's maximum so far: the baseline runs after kvflow in the same process)")
+        print(describe_ratios(r, "hf"))
+        report.update(baseline=asdict(base), baseline_setup=asdict(setup), ratios=r)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"result": asdict(result), "args": vars(args), "machine": platform.processor() or platform.machine()},
-                      f, indent=2, default=str)
+            json.dump(report, f, indent=2, default=str)
     return result

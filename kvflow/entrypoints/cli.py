@@ -236,15 +236,28 @@ def run_plan(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from kvflow.bench import throughput
+    """`kvflow bench {throughput,latency,serve,roofline}`; each module defers its heavy imports to its run()."""
+    from kvflow.bench import latency, roofline, serve, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput")
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, roofline")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
-    t = kinds.add_parser("throughput", help="offline throughput (W-offline by default)")
+    t = kinds.add_parser("throughput", help="offline throughput (W-offline by default), optionally vs transformers")
     add_model_args(t)
     add_runtime_args(t)
     throughput.add_arguments(t)
     t.set_defaults(func=lambda args: throughput.run(engine_config_from_args(args), args) and 0)
+    lat = kinds.add_parser("latency", help="one request at a time: TTFT and inter-token latency (W-latency)")
+    add_model_args(lat)
+    add_runtime_args(lat)
+    latency.add_arguments(lat)
+    lat.set_defaults(func=lambda args: latency.run(engine_config_from_args(args), args) and 0)
+    s = kinds.add_parser("serve", help="load-test an OpenAI-compatible server (Poisson arrivals, streaming)")
+    serve.add_arguments(s)
+    s.set_defaults(func=lambda args: serve.run(args) and 0)
+    r = kinds.add_parser("roofline", help="this machine's matmul/bandwidth ceilings and a result's fraction of them")
+    roofline.add_arguments(r)
+    r.set_defaults(func=lambda args: roofline.run(args) and 0)
+    p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
 # ---- entry point ----------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""`kvflow bench latency`: one request at a time (W-latency), TTFT and inter-token latency.
+
+Each iteration sends one greedy `ignore_eos` request and times, on the caller's clock, the
+arrival of every token out of `LLMEngine.step()`. Every iteration gets its own fresh prompt
+from one rng stream (`default_rng(1)` by default, so the first timed prompt is exactly
+W-latency's), and the warm-up uses a different rng: a repeated prompt would be answered
+from the prefix cache and make TTFT look far better than any user would see. The prefix
+cache hits of every timed request are recorded, so a violation would show in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvflow.bench.datasets import fit_token_range
+from kvflow.bench.metrics import Percentiles, percentiles, request_latency
+
+WORKLOAD_TOKEN_RANGE = (1000, 40000)
+
+
+@dataclass
+class Iteration:
+    ttft_s: float
+    mean_itl_s: float | None  # None with a single output token
+    e2e_s: float
+    output_tokens: int
+    cached_prompt_tokens: int  # must be 0: the prompt was never seen before
+
+
+@dataclass
+class LatencyResult:
+    dtype: str
+    input_len: int
+    output_len: int
+    num_threads: int
+    iterations: list[Iteration]
+    ttft: Percentiles
+    itl: Percentiles
+
+    def summary(self) -> str:
+        t, i = self.ttft.scaled(1e3), self.itl.scaled(1e3)
+        cached = sum(it.cached_prompt_tokens for it in self.iterations)
+        lines = [
+            f"latency ({self.dtype}, {self.num_threads} threads): {len(self.iterations)} iterations, one request "
+            f"at a time, {self.input_len} prompt tokens -> {self.output_len} output tokens",
+            f"  TTFT      median {t.p50:8.1f} ms   p90 {t.p90:8.1f} ms   mean {t.mean:8.1f} ms",
+            f"  mean ITL  median {i.p50:8.2f} ms   p90 {i.p90:8.2f} ms   mean {i.mean:8.2f} ms",
+        ]
+        if cached:
+            lines.append(f"  WARNING: {cached} prompt tokens came from the prefix cache; "
+                         "TTFT is not a cold-prompt figure")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ttft"], d["itl"] = self.ttft.to_dict(), self.itl.to_dict()
+        return d
+
+
+def time_one_request(engine, request_id: str, prompt: list[int], output_len: int) -> Iteration:
+    """Submit one request to an idle engine and time each token as `step()` hands it over."""
+    from kvflow.sampling.params import SamplingParams
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("bench latency needs an idle engine")
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    times: list[float] = []
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            times += [now] * max(len(out.new_token_ids), 1)
+            cached = out.num_cached_tokens
+    lat = request_latency(start, times)
+    mean_itl = float(np.mean(lat.itls)) if lat.itls else None
+    return Iteration(lat.ttft, mean_itl, lat.e2e, lat.output_tokens, cached)
+
+
+def prompts(seed: int, count: int, length: int, token_range: tuple[int, int]) -> list[list[int]]:
+    """`count` prompts drawn one after another from one rng: the first is W-latency's for seed 1."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(token_range[0], token_range[1], size=length).tolist() for _ in range(count)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (W-latency: 128)")
+    g.add_argument("--output-len", type=int, default=128, help="generated tokens (W-latency: 128)")
+    g.add_argument("--num-iters", type=int, default=5, help="timed requests, each with a fresh prompt")
+    g.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up requests (from --warmup-seed)")
+    g.add_argument("--dataset-seed", type=int, default=1, help="rng of the timed prompts (W-latency: 1)")
+    g.add_argument("--warmup-seed", type=int, default=101, help="rng of the warm-up prompts (must differ)")
+    g.add_argument("--output", help="write the result as JSON here")
+
+
+def run(config, args: argparse.Namespace) -> LatencyResult:
+    import torch
+
+    from kvflow.engine.llm_engine import LLMEngine
+
+    if args.warmup_seed == args.dataset_seed:
+        raise ValueError("--warmup-seed must differ from --dataset-seed (warm-up must not see the timed prompts)")
+    if args.num_iters < 1 or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--num-iters, --input-len and --output-len must be at least 1")
+    engine = LLMEngine(config)
+    token_range = fit_token_range(WORKLOAD_TOKEN_RANGE, engine.model_config.vocab_size)
+    timed = prompts(args.dataset_seed, args.num_iters, args.input_len, token_range)
+    seen = {tuple(p) for p in timed}
+    for i, prompt in enumerate(prompts(args.warmup_seed, args.num_iters_warmup, args.input_len, token_range)):
+        if tuple(prompt) in seen:
+            raise RuntimeError("a warm-up prompt equals a timed prompt; choose another --warmup-seed")
+        time_one_request(engine, f"latency-warmup-{i}", prompt, args.output_len)
+    iterations = [time_one_request(engine, f"latency-{i}", p, args.output_len) for i, p in enumerate(timed)]
+    result = LatencyResult(
+        dtype=str(engine.dtype).removeprefix("torch."), input_len=args.input_len, output_len=args.output_len,
+        num_threads=torch.get_num_threads(), iterations=iterations,
+        ttft=percentiles(it.ttft_s for it in iterations), itl=percentiles(it.mean_itl_s for it in iterations),
+    )
+    print(result.summary())
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"kind": "latency", "result": result.to_dict(), "args": vars(args),
+                       "machine": platform.processor() or platform.machine()}, f, indent=2, default=str)
+    return result

@@ -1,0 +1,187 @@
+"""`kvflow bench roofline`: how close a measured speed is to what this machine allows.
+
+The model's cost comes from its shapes alone (no weights are loaded): the matmul FLOPs of a
+prompt token (2 x the non-embedding matmul parameters; no LM head, which only the last prompt
+token needs), of a generated token (+ the LM head), and the weight bytes one decode step
+must stream. Against the ceilings measured by `hardware`:
+
+  prefill   FLOP rate / matmul ceiling (prefill is compute-bound)
+  decode    tokens/s against the roofline min(bandwidth / bytes per step, compute / FLOPs),
+            i.e. against whichever ceiling binds at that batch size
+  a whole throughput run   (prompt x prompt FLOPs + output x output FLOPs) / wall / ceiling
+
+Attention FLOPs and KV cache reads are left out (small at these context lengths), so the
+fractions are slight overestimates of the work done, i.e. conservative about the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvflow.config import ModelConfig
+
+
+@dataclass
+class ModelCost:
+    dtype: str
+    non_embedding_matmul_params: int
+    lm_head_params: int
+    flops_per_prompt_token: float
+    flops_per_output_token: float
+    weight_bytes_per_decode_step: int
+
+
+@dataclass
+class Fraction:
+    """One measured speed against its ceiling."""
+
+    phase: str
+    tokens_per_s: float
+    achieved_gflops: float
+    compute_fraction: float  # of the matmul ceiling
+    achieved_gbps: float | None = None  # weight bytes streamed per second (decode)
+    bandwidth_fraction: float | None = None
+    roofline_tokens_per_s: float | None = None  # the attainable speed
+    roofline_fraction: float | None = None
+    bound: str = "compute"
+
+
+def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
+    """Matmul FLOPs and decode bytes from the shapes (a multiply-add is 2 FLOPs)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i  # qkv, o, gate/up/down
+    body = cfg.num_hidden_layers * per_layer
+    head = h * cfg.vocab_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    name = str(dtype).removeprefix("torch.")
+    return ModelCost(name, body, head, 2.0 * body, 2.0 * (body + head), (body + head) * elem)
+
+
+def prefill_fraction(cost: ModelCost, prompt_tokens_per_s: float, gflops_ceiling: float) -> Fraction:
+    achieved = prompt_tokens_per_s * cost.flops_per_prompt_token / 1e9
+    ceiling_tps = gflops_ceiling * 1e9 / cost.flops_per_prompt_token
+    return Fraction("prefill", prompt_tokens_per_s, achieved, achieved / gflops_ceiling,
+                    roofline_tokens_per_s=ceiling_tps, roofline_fraction=prompt_tokens_per_s / ceiling_tps)
+
+
+def decode_fraction(cost: ModelCost, tokens_per_s: float, gflops_ceiling: float, read_gbps: float,
+                    batch_size: int = 1) -> Fraction:
+    """Each step makes `batch_size` tokens and streams every weight once."""
+    steps_per_s = tokens_per_s / batch_size
+    achieved_gflops = tokens_per_s * cost.flops_per_output_token / 1e9
+    achieved_gbps = steps_per_s * cost.weight_bytes_per_decode_step / 1e9
+    memory_step_s = cost.weight_bytes_per_decode_step / (read_gbps * 1e9)
+    compute_step_s = batch_size * cost.flops_per_output_token / (gflops_ceiling * 1e9)
+    roofline_tps = batch_size / max(memory_step_s, compute_step_s)
+    return Fraction(f"decode (batch {batch_size})", tokens_per_s, achieved_gflops, achieved_gflops / gflops_ceiling,
+                    achieved_gbps, achieved_gbps / read_gbps, roofline_tps, tokens_per_s / roofline_tps,
+                    "memory" if memory_step_s >= compute_step_s else "compute")
+
+
+def run_fraction(cost: ModelCost, prompt_tokens: int, output_tokens: int, wall_s: float,
+                 gflops_ceiling: float, label: str = "kvflow") -> Fraction:
+    """A whole mixed run (bench throughput): all its matmul work over its wall time."""
+    flops = prompt_tokens * cost.flops_per_prompt_token + output_tokens * cost.flops_per_output_token
+    achieved = flops / wall_s / 1e9
+    floor_s = flops / (gflops_ceiling * 1e9)
+    total_tps = (prompt_tokens + output_tokens) / wall_s
+    return Fraction(f"whole run ({label})", total_tps, achieved, achieved / gflops_ceiling,
+                    roofline_tokens_per_s=(prompt_tokens + output_tokens) / floor_s, roofline_fraction=floor_s / wall_s)
+
+
+def speeds_from_result(path: str) -> list[dict]:
+    """The speeds a `bench throughput` (kvflow and any baseline) or `bench latency` JSON holds, with dtypes."""
+    with open(path) as f:
+        data = json.load(f)
+    res = data.get("result") or {}
+    kind = data.get("kind") or ("latency" if "ttft" in res else "throughput")
+    if kind == "latency":
+        ttft, itl = res["ttft"]["p50"], res["itl"]["p50"]
+        return [{"kind": kind, "dtype": res.get("dtype"), "prefill_tokens_per_s": res["input_len"] / ttft,
+                 "decode_tokens_per_s": 1.0 / itl if itl else None}]
+    if kind == "throughput":
+        runs = [r for r in (res, data.get("baseline")) if r]
+        return [{"kind": kind, "dtype": r.get("dtype"), "label": r.get("engine", "kvflow"),
+                 "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"], "wall_s": r["wall_s"]}
+                for r in runs]
+    raise ValueError(f"{path}: not a bench throughput or bench latency result (kind {kind!r})")
+
+
+def describe(cost: ModelCost, ceilings, fractions: list[Fraction]) -> str:
+    gf = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in ceilings.matmul_gflops.items())
+    lines = [
+        f"machine ({ceilings.num_threads} threads): matmul {gf} ({ceilings.matmul_size}^3, median of {ceilings.reps}); "
+        f"memory read {ceilings.read_gbps:.1f} GB/s ({ceilings.bandwidth_mib} MiB)",
+        f"model ({cost.dtype}): {cost.non_embedding_matmul_params / 1e6:.3g} M matmul params + LM head "
+        f"{cost.lm_head_params / 1e6:.3g} M; {cost.flops_per_prompt_token / 1e9:.3g} GFLOP/prompt token, "
+        f"{cost.flops_per_output_token / 1e9:.3g} GFLOP/generated token, "
+        f"{cost.weight_bytes_per_decode_step / 1e6:.3g} MB of weights per decode step",
+    ]
+    for f in fractions:
+        line = (f"{f.phase}: {f.tokens_per_s:.1f} tok/s = {f.achieved_gflops:.1f} GFLOP/s = "
+                f"{f.compute_fraction:.1%} of the compute ceiling")
+        if f.bandwidth_fraction is not None:
+            line += f"; {f.achieved_gbps:.1f} GB/s of weights = {f.bandwidth_fraction:.1%} of memory bandwidth"
+        if f.roofline_fraction is not None:
+            line += (f"; roofline ({f.bound}-bound) {f.roofline_tokens_per_s:.0f} tok/s -> "
+                     f"{f.roofline_fraction:.1%} of it")
+        lines.append(line)
+    if not fractions:
+        lines.append("(give --result or --prefill-tokens-per-s / --decode-tokens-per-s for the achieved fractions)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("roofline")
+    g.add_argument("--model", default=None, help="HF directory, config.json or .gguf (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=None, help="compute dtype (default: the result's, else auto)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores, as the engine)")
+    g.add_argument("--result", action="append", default=[],
+                   help="a bench throughput or bench latency JSON (repeatable)")
+    g.add_argument("--prefill-tokens-per-s", type=float, default=None)
+    g.add_argument("--decode-tokens-per-s", type=float, default=None)
+    g.add_argument("--decode-batch-size", type=int, default=1, help="sequences per decode step behind that rate")
+    g.add_argument("--output", help="write ceilings, cost and fractions as JSON here")
+    g.add_argument("--matmul-size", type=int, default=2048, help=argparse.SUPPRESS)
+    g.add_argument("--bandwidth-mib", type=int, default=256, help=argparse.SUPPRESS)
+    g.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> list[Fraction]:
+    import os
+
+    from kvflow.bench.hardware import measure
+    from kvflow.config import resolve_dtype
+    from kvflow.loader import load_model_config, resolve_model_path
+
+    speeds = [s for p in args.result for s in speeds_from_result(p)]
+    cfg = load_model_config(resolve_model_path(args.model))
+    dtype = resolve_dtype(args.dtype or next((s["dtype"] for s in speeds if s.get("dtype")), "auto"), cfg)
+    torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+    ceilings = measure([torch.float32, torch.bfloat16, dtype], args.matmul_size, args.bandwidth_mib, args.reps)
+    cost = model_cost(cfg, dtype)
+    peak = ceilings.gflops(dtype)
+    fractions: list[Fraction] = []
+    for s in speeds:
+        if s["kind"] == "throughput":
+            fractions.append(run_fraction(cost, s["prompt_tokens"], s["output_tokens"], s["wall_s"], peak, s["label"]))
+        else:
+            fractions.append(prefill_fraction(cost, s["prefill_tokens_per_s"], peak))
+            if s["decode_tokens_per_s"]:
+                fractions.append(decode_fraction(cost, s["decode_tokens_per_s"], peak, ceilings.read_gbps, 1))
+    if args.prefill_tokens_per_s:
+        fractions.append(prefill_fraction(cost, args.prefill_tokens_per_s, peak))
+    if args.decode_tokens_per_s:
+        fractions.append(decode_fraction(cost, args.decode_tokens_per_s, peak, ceilings.read_gbps,
+                                         args.decode_batch_size))
+    print(describe(cost, ceilings, fractions))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"kind": "roofline", "ceilings": asdict(ceilings), "model_cost": asdict(cost),
+                       "fractions": [asdict(x) for x in fractions], "results": args.result}, f, indent=2)
+    return fractions

@@ -1,0 +1,83 @@
+"""`kvflow bench roofline`: the model's cost from its shapes, the fractions by hand, and the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvflow.bench import roofline as rl
+from kvflow.bench.hardware import matmul_gflops, median_seconds, read_bandwidth_gbps
+from kvflow.config import ModelConfig
+from kvflow.entrypoints.cli import main
+
+SMOLLM2 = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      tie_word_embeddings=True)
+
+
+def test_smollm2_cost_matches_the_workload_notes():
+    cost = rl.model_cost(SMOLLM2, torch.bfloat16)
+    per_layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536
+    assert cost.non_embedding_matmul_params == 30 * per_layer
+    assert cost.flops_per_prompt_token / 1e9 == pytest.approx(0.212, abs=1e-3)  # "about 0.21 GFLOP"
+    assert cost.flops_per_output_token / 1e9 == pytest.approx(0.269, abs=1e-3)  # "0.27 GFLOP"
+    assert cost.weight_bytes_per_decode_step == (30 * per_layer + 576 * 49152) * 2
+    # W-offline: 9,120 prompt + 4,555 output tokens is "about 3.2 TFLOP".
+    total = 9120 * cost.flops_per_prompt_token + 4555 * cost.flops_per_output_token
+    assert total / 1e12 == pytest.approx(3.16, abs=0.02)
+
+
+def test_fractions_by_hand():
+    cost = rl.ModelCost("bfloat16", 50, 50, flops_per_prompt_token=1e8, flops_per_output_token=2e8,
+                        weight_bytes_per_decode_step=10**8)
+    pre = rl.prefill_fraction(cost, prompt_tokens_per_s=1000, gflops_ceiling=200)
+    assert pre.achieved_gflops == pytest.approx(100) and pre.compute_fraction == pytest.approx(0.5)
+    assert pre.roofline_tokens_per_s == pytest.approx(2000)
+    # Batch 1 at 50 GB/s: a step streams 0.1 GB -> 2 ms -> 500 tok/s attainable (compute would allow 1000).
+    dec = rl.decode_fraction(cost, tokens_per_s=100, gflops_ceiling=200, read_gbps=50, batch_size=1)
+    assert dec.bound == "memory" and dec.roofline_tokens_per_s == pytest.approx(500)
+    assert dec.roofline_fraction == pytest.approx(0.2) and dec.bandwidth_fraction == pytest.approx(10 / 50)
+    # Batch 8: memory allows 8 / 2 ms = 4000 tok/s, compute 1000 tok/s: compute binds.
+    big = rl.decode_fraction(cost, tokens_per_s=800, gflops_ceiling=200, read_gbps=50, batch_size=8)
+    assert big.bound == "compute" and big.roofline_tokens_per_s == pytest.approx(1000)
+    whole = rl.run_fraction(cost, prompt_tokens=100, output_tokens=50, wall_s=1.0, gflops_ceiling=200)
+    assert whole.achieved_gflops == pytest.approx((100 * 1e8 + 50 * 2e8) / 1e9)  # 20 GFLOP/s
+    assert whole.roofline_fraction == pytest.approx(0.1)
+
+
+def test_ceiling_measurements_are_sane():
+    assert median_seconds(lambda: None, reps=3) >= 0
+    assert matmul_gflops(64, torch.float32, reps=2) > 0
+    assert read_bandwidth_gbps(4, reps=2) > 0
+
+
+def test_roofline_command(tiny_models, tmp_path, capsys):
+    path, _ = tiny_models("llama")
+    latency = tmp_path / "lat.json"
+    latency.write_text(json.dumps({"kind": "latency", "result": {"dtype": "float32", "input_len": 128,
+                                                                  "ttft": {"p50": 0.01}, "itl": {"p50": 0.002}}}))
+    throughput = tmp_path / "tp.json"
+    runs = {"result": {"engine": "kvflow", "dtype": "float32", "prompt_tokens": 90, "output_tokens": 30, "wall_s": 2.0},
+            "baseline": {"engine": "hf-transformers", "dtype": "float32", "prompt_tokens": 90, "output_tokens": 30,
+                         "wall_s": 4.0}}
+    throughput.write_text(json.dumps({"kind": "throughput", **runs}))
+    out = tmp_path / "roof.json"
+    args = ["bench", "roofline", "--model", path, "--result", str(latency), "--result", str(throughput),
+            "--decode-tokens-per-s", "50",
+            "--decode-batch-size", "4", "--matmul-size", "64", "--bandwidth-mib", "4", "--reps", "2",
+            "--num-threads", "1", "--output", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "of the compute ceiling" in printed and "memory bandwidth" in printed
+    report = json.loads(out.read_text())
+    assert set(report["ceilings"]["matmul_gflops"]) == {"float32", "bfloat16"}
+    phases = [f["phase"] for f in report["fractions"]]
+    assert phases == ["prefill", "decode (batch 1)", "whole run (kvflow)", "whole run (hf-transformers)",
+                      "decode (batch 4)"]
+    assert report["fractions"][0]["tokens_per_s"] == pytest.approx(128 / 0.01)
+    kv, hf = report["fractions"][2], report["fractions"][3]
+    assert kv["tokens_per_s"] == pytest.approx(60.0)
+    assert kv["compute_fraction"] == pytest.approx(2 * hf["compute_fraction"])  # same work in half the time
+    assert report["model_cost"]["dtype"] == "float32"

@@ -6,6 +6,7 @@ position *as read back from the cache* and the token itself, and it samples the 
 from the last entry. A sequence is therefore only generated correctly if every block the
 scheduler and the prefix cache handed it holds the right history; recomputation after a
 preemption gives the same tokens, and anything served wrongly from the cache changes them.
+The model lives in fake_model.py, shared with test_scheduler_properties.py.
 """
 
 from __future__ import annotations
@@ -16,56 +17,15 @@ from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.sampling.params import SamplingParams
+from tests.engine import fake_model
+from tests.engine.fake_model import FakeModel
 
-_MOD = (1 << 61) - 1
-_SEED = 0x9E3779B97F4A7C15 % _MOD
 VOCAB = 50
-
-
-def kv_entry(prev: int, token: int, pos: int) -> int:
-    return (prev * 1_000_003 + token * 7919 + pos + 1) % _MOD
 
 
 def reference_output(prompt: list[int], target_len: int) -> list[int]:
     """What the fake model generates for `prompt` without any cache: the ground truth."""
-    tokens, prev, pos = list(prompt), _SEED, 0
-    while pos < len(tokens):
-        prev = kv_entry(prev, tokens[pos], pos)
-        if pos == len(tokens) - 1 and len(tokens) < target_len:
-            tokens.append(prev % VOCAB)
-        pos += 1
-    return tokens[len(prompt) :]
-
-
-class FakeModel:
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-        self.slots: dict[int, list[int | None]] = {}
-
-    def _read(self, table: list[int], pos: int) -> int:
-        entry = self.slots[table[pos // self.kv.block_size]][pos % self.kv.block_size]
-        assert entry is not None, f"position {pos} read before it was written"
-        return entry
-
-    def execute(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Compute every scheduled chunk; return (seq, token) for the rows that complete."""
-        bs, sampled = self.kv.block_size, []
-        for item in out.scheduled:
-            seq = item.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
-            assert item.num_new_tokens >= 1 and end <= seq.num_tokens
-            table = self.kv.block_table(seq.request_id)
-            assert len(table) >= self.kv.blocks_needed(end), "block table does not cover the chunk"
-            prev = _SEED if start == 0 else self._read(table, start - 1)
-            for pos, token in enumerate(seq.token_slice(start, end), start):
-                block = self.kv.pool.blocks[table[pos // bs]]
-                # a block anyone else can see (shared, or published in the prefix cache) is never written
-                assert block.ref_cnt == 1 and block.block_hash is None, f"write into shared block {block}"
-                prev = kv_entry(prev, token, pos)
-                self.slots.setdefault(block.block_id, [None] * bs)[pos % bs] = prev
-            if item.is_sampled:
-                sampled.append((seq, prev % VOCAB))
-        return sampled
+    return fake_model.reference_output(prompt, target_len, VOCAB)
 
 
 class Harness:
@@ -84,7 +44,7 @@ class Harness:
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, admission_headroom_blocks=headroom), self.kv
         )
-        self.model = FakeModel(self.kv)
+        self.model = FakeModel(self.kv, VOCAB)
         self.targets: dict[str, int] = {}
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0

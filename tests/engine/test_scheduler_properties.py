@@ -10,7 +10,7 @@ uncached, unpreempted run generates.
 
 The simulated model writes one K/V entry per computed token into the block table's slots,
 derived from the entry of the previous position as read back from the cache, and samples
-from the last one (see test_scheduler.py): a block served with the wrong history changes
+from the last one (see fake_model.py): a block served with the wrong history changes
 the generated tokens, and writing into a shared or published block is caught on the spot.
 """
 
@@ -28,30 +28,14 @@ from kvflow.engine.kv_cache_manager import KVCacheManager, hash_block
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.sampling.params import SamplingParams
+from tests.engine import fake_model
+from tests.engine.fake_model import FakeModel, expected_entries
 
-_MOD = (1 << 61) - 1
-_SEED = 0x9E3779B97F4A7C15 % _MOD
 VOCAB = 4  # tiny, so identical blocks after different prefixes are common
 
 
-def kv_entry(prev: int, token: int, pos: int) -> int:
-    return (prev * 1_000_003 + token * 7919 + pos + 1) % _MOD
-
-
-def expected_entries(tokens: list[int]) -> list[int]:
-    """The K/V entries an uncached model computes for `tokens`, position by position."""
-    out, prev = [], _SEED
-    for pos, token in enumerate(tokens):
-        prev = kv_entry(prev, token, pos)
-        out.append(prev)
-    return out
-
-
 def reference_output(prompt: list[int], target_len: int) -> list[int]:
-    tokens = list(prompt)
-    while len(tokens) < target_len:
-        tokens.append(expected_entries(tokens)[-1] % VOCAB)
-    return tokens[len(prompt) :]
+    return fake_model.reference_output(prompt, target_len, VOCAB)
 
 
 PREFIXES = [
@@ -62,36 +46,6 @@ PREFIXES = [
     [2, 2, 2, 2, 2, 2, 2, 2, 2],
 ]
 MAX_ADDS = 10
-
-
-class FakeModel:
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-        self.slots: dict[int, list[int | None]] = {}
-
-    def read(self, table: list[int], pos: int) -> int | None:
-        slots = self.slots.get(table[pos // self.kv.block_size])
-        return None if slots is None else slots[pos % self.kv.block_size]
-
-    def execute(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        bs, sampled = self.kv.block_size, []
-        for item in out.scheduled:
-            seq = item.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
-            assert seq.status == SequenceStatus.RUNNING
-            assert item.num_new_tokens >= 1 and end <= seq.num_tokens
-            table = self.kv.block_table(seq.request_id)
-            assert len(table) >= self.kv.blocks_needed(end), "block table does not cover the chunk"
-            prev = _SEED if start == 0 else self.read(table, start - 1)
-            assert prev is not None
-            for pos, token in enumerate(seq.token_slice(start, end), start):
-                block = self.kv.pool.blocks[table[pos // bs]]
-                assert block.ref_cnt == 1 and block.block_hash is None, f"write into shared block {block}"
-                prev = kv_entry(prev, token, pos)
-                self.slots.setdefault(block.block_id, [None] * bs)[pos % bs] = prev
-            if item.is_sampled:
-                sampled.append((seq, prev % VOCAB))
-        return sampled
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -106,7 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, block_size, max_num_seqs, budget, prefix_caching, headroom=0):
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, admission_headroom_blocks=headroom), self.kv)
-        self.model = FakeModel(self.kv)
+        self.model = FakeModel(self.kv, VOCAB)
         self.capacity = num_blocks * block_size
         self.seqs: list[Sequence] = []
         self.targets: dict[str, int] = {}

@@ -236,16 +236,21 @@ def run_plan(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,latency,serve,roofline}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import latency, roofline, serve, throughput
+    """`kvflow bench {throughput,prefix,latency,serve,roofline}`; each module defers its heavy imports to its run()."""
+    from kvflow.bench import latency, prefix, roofline, serve, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, roofline")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, serve, roofline")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     t = kinds.add_parser("throughput", help="offline throughput (W-offline by default), optionally vs transformers")
     add_model_args(t)
     add_runtime_args(t)
     throughput.add_arguments(t)
     t.set_defaults(func=lambda args: throughput.run(engine_config_from_args(args), args) and 0)
+    pre = kinds.add_parser("prefix", help="W-prefix: a shared system prompt, prefix caching off vs on in one run")
+    add_model_args(pre)
+    add_runtime_args(pre)
+    prefix.add_arguments(pre)
+    pre.set_defaults(func=lambda args: prefix.run(engine_config_from_args(args), args) and 0)
     lat = kinds.add_parser("latency", help="one request at a time: TTFT and inter-token latency (W-latency)")
     add_model_args(lat)
     add_runtime_args(lat)

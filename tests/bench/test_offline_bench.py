@@ -121,3 +121,19 @@ def test_latency_end_to_end(tiny, tmp_path, capsys):
 def test_latency_refuses_warmup_on_the_timed_draw(tiny):
     args = ["bench", "latency", "--model", tiny, *ENGINE, "--warmup-seed", "1", "--dataset-seed", "1"]
     assert main(args) == 2
+
+
+def test_prefix_bench_compares_caching_off_and_on(tiny, tmp_path, capsys):
+    """Sharing within the workload cuts the computed tokens by the shared part, outputs aside."""
+    out = tmp_path / "prefix.json"
+    args = ["bench", "prefix", "--model", tiny, *ENGINE, "--num-prompts", "6", "--prefix-len", "64",
+            "--suffix-len", "8", "--output-len", "4", "--max-num-batched-tokens", "80", "--output", str(out)]
+    assert main(args) == 0
+    report = _load(out)
+    off, on = report["results"]["prefix caching off"], report["results"]["prefix caching on"]
+    assert off["computed_tokens"] == 6 * (64 + 8 + 3)
+    # An 80-token budget: step 1 computes prompt 0 (72 tokens) and starts prompt 1 on the 8 left,
+    # before anything is cached; prompts 2-5 then reuse the 64-token prefix (4 full blocks).
+    assert on["computed_tokens"] == off["computed_tokens"] - 4 * 64
+    assert report["ratios"]["computed_tokens_off_over_on"] == pytest.approx(off["computed_tokens"] / on["computed_tokens"])
+    assert "prefix caching cuts prefill work" in capsys.readouterr().out

@@ -115,18 +115,33 @@ class CPUAttentionBackend(AttentionBackend):
         return torch.matmul(probs, values).view(nd, num_heads, head_dim)
 
 
+# Above this many attention scores (heads x queries x keys) a chunk goes through SDPA's masked
+# path instead of explicit float32 scores, to bound the temporary memory.
+_MAX_EXPLICIT_SCORES = 1 << 24
+
+
 def _causal_attention(q, keys, values, context_len: int, scale: float) -> torch.Tensor:
     """q: [n, H, D] at positions context_len..context_len+n-1; keys/values: [context_len+n, KVH, D]."""
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh = keys.transpose(0, 1).unsqueeze(0)
-    vh = values.transpose(0, 1).unsqueeze(0)
+    n, num_heads, head_dim = q.shape
+    total, num_kv_heads = keys.shape[0], keys.shape[1]
     if context_len == 0:
+        qh, kh, vh = q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        n, total = q.shape[0], keys.shape[0]
-        mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + context_len)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)
+    future = torch.arange(total)[None, :] > (torch.arange(n)[:, None] + context_len)  # bottom-right causal
+    if num_heads * n * total > _MAX_EXPLICIT_SCORES:
+        qh, kh, vh = q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~future, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+    # A later chunk over cached context, written out: SDPA's masked CPU path is slow in bf16.
+    group = num_heads // num_kv_heads
+    qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+    kh = keys.transpose(0, 1).contiguous().unsqueeze(1)  # [KVH, 1, L, D]
+    vh = values.transpose(0, 1).contiguous().unsqueeze(1)
+    scores = torch.matmul(qg, kh.transpose(-1, -2)).float() * scale  # [KVH, G, n, L]
+    scores.masked_fill_(future, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(vh.dtype), vh)  # [KVH, G, n, D]
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
 def get_attn_backend(device: torch.device | str) -> AttentionBackend:

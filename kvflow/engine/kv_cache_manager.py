@@ -9,7 +9,8 @@ block's hash and its own token ids. A new request walks its prompt's chain and r
 block already cached, so only the rest is computed. Blocks are reference counted; a block
 nobody holds goes to the back of an LRU free queue but keeps its contents and hash, and is
 evicted only when the front of the queue is handed out for new tokens. A hit is confirmed
-against the block's stored tokens, so a hash collision can never serve the wrong K/V.
+against the block's stored tokens and its parent's hash, so serving wrong K/V would need a
+SHA-256 collision on the chain, not merely two equal blocks after different prefixes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens the hash stands for (collision check)
+    parent_hash: bytes | None = None  # the previous block's chain hash (collision check)
 
 
 @dataclass
@@ -62,7 +64,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, None
+            block.block_hash, block.token_ids, block.parent_hash = None, None, None
         block.ref_cnt = 1
         return block
 
@@ -80,17 +82,19 @@ class BlockPool:
             if block.block_hash is None:  # nothing worth keeping: reuse it first
                 self.free_queue.move_to_end(block.block_id, last=False)
 
-    def lookup(self, block_hash: bytes, token_ids: list[int]) -> KVBlock | None:
+    def lookup(self, block_hash: bytes, token_ids: list[int], parent_hash: bytes | None) -> KVBlock | None:
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == tuple(token_ids) else None
+        if block.token_ids != tuple(token_ids) or block.parent_hash != parent_hash:
+            return None  # a collision: same hash, other contents or another prefix
+        return block
 
-    def register(self, block: KVBlock, block_hash: bytes, token_ids: list[int]) -> None:
+    def register(self, block: KVBlock, block_hash: bytes, token_ids: list[int], parent_hash: bytes | None) -> None:
         if block.block_hash is not None or block_hash in self.cached:
             return  # already cached, or another block holds the same tokens
-        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.block_hash, block.token_ids, block.parent_hash = block_hash, tuple(token_ids), parent_hash
         self.cached[block_hash] = block.block_id
 
 
@@ -140,8 +144,9 @@ class KVCacheManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         bs, hits = self.block_size, []
-        for i, h in enumerate(self._chain_hashes(seq, max_blocks)):
-            block = self.pool.lookup(h, seq.token_slice(i * bs, (i + 1) * bs))
+        hashes = self._chain_hashes(seq, max_blocks)
+        for i, h in enumerate(hashes[:max_blocks]):
+            block = self.pool.lookup(h, seq.token_slice(i * bs, (i + 1) * bs), hashes[i - 1] if i else None)
             if block is None:
                 break
             hits.append(block)
@@ -162,7 +167,7 @@ class KVCacheManager:
         for i in range(num_full):
             block = self.pool.blocks[table[i]]
             if block.block_hash is None:
-                self.pool.register(block, hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
+                self.pool.register(block, hashes[i], seq.token_slice(i * bs, (i + 1) * bs), hashes[i - 1] if i else None)
 
     # ---- allocation ------------------------------------------------------------------
     def num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> int:

@@ -240,8 +240,11 @@ def test_hit_needs_identical_prefix_chain():
     hits = kv.find_cached_prefix(b)
     assert [h.block_id for h in hits] == kv.block_table("c")[:1]
     # the block of Q after P1 is not reachable by hash from P2, even when looked up directly
-    assert kv.pool.lookup(chain([P2, Q])[1], Q) is None
-    assert kv.pool.lookup(chain([P1, Q])[1], Q).block_id == kv.block_table("a")[1]
+    assert kv.pool.lookup(chain([P2, Q])[1], Q, chain([P2])[0]) is None
+    assert kv.pool.lookup(chain([P1, Q])[1], Q, chain([P1])[0]).block_id == kv.block_table("a")[1]
+    # a forged index entry: the right tokens under another prefix's hash are still refused
+    kv.pool.cached[chain([P2, Q])[1]] = kv.block_table("a")[1]
+    assert kv.pool.lookup(chain([P2, Q])[1], Q, chain([P2])[0]) is None
     # and the same tokens at position 0 (no parent) are not the block after P1 either
     assert kv.find_cached_prefix(make_seq("d", Q + [0])) == []
 
@@ -270,7 +273,7 @@ def test_forged_hash_collision_is_never_served():
     forged = chain([P2, R])
     kv.pool.cached[forged[0]] = victim_block
     kv.pool.cached[forged[1]] = kv.block_table("a")[1]
-    assert kv.pool.lookup(forged[0], P2) is None
+    assert kv.pool.lookup(forged[0], P2, None) is None
     b = make_seq("b", P2 + R + [0])
     assert kv.find_cached_prefix(b) == []
     # the honest entries still work

@@ -169,6 +169,10 @@ class LLMEngine:
         self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
         return True
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request is still known to the engine (waiting or running)."""
+        return request_id in self._requests
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -96,7 +96,7 @@ class RequestStream:
         """Stop the request in the engine (freeing its blocks) unless it already finished."""
         if not self.finished:
             self.finished = True
-            self._owner.abort(self.request_id)
+            self._owner.abort(self.request_id, self)
             self._queue.put_nowait(None)
 
 
@@ -114,6 +114,7 @@ class _AddCommand:
 @dataclass
 class _AbortCommand:
     request_id: str
+    stream: "RequestStream | None" = None  # when set, abort only if the id still belongs to this stream
 
 
 class AsyncEngine:
@@ -132,6 +133,7 @@ class AsyncEngine:
         self.num_step_errors = 0
         self._cond = threading.Condition()
         self._commands: list[_AddCommand | _AbortCommand] = []
+        self._closed = False  # set under _cond once the thread stops taking commands
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._stats: EngineStats = engine.get_stats()
         self._stopping = False
@@ -183,14 +185,20 @@ class AsyncEngine:
         try:
             await future
         except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the add, so it undoes it if the add went through
+            self.abort(request_id, stream)  # queued after the add: undoes it only if this add went through
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe, returns at once; applied before the engine's next step)."""
-        if self._thread.is_alive():
-            self._submit(_AbortCommand(request_id))
+    def abort(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """Abort a request (thread-safe, returns at once; applied before the engine's next step).
+
+        With `stream`, the abort applies only while the id still belongs to that stream, so a late
+        abort can never hit a newer request that reuses the id.
+        """
+        with self._cond:
+            if not self._closed:
+                self._commands.append(_AbortCommand(request_id, stream))
+                self._cond.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; requests still running get `EngineDeadError`."""
@@ -200,8 +208,10 @@ class AsyncEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, cmd: _AddCommand | _AbortCommand) -> None:
+    def _submit(self, cmd: _AddCommand) -> None:
         with self._cond:
+            if self._closed:  # the thread stopped after _check_alive: nobody would resolve the future
+                raise EngineDeadError("the engine is shut down")
             self._commands.append(cmd)
             self._cond.notify()
 
@@ -234,6 +244,8 @@ class AsyncEngine:
 
     def _apply(self, cmd: _AddCommand | _AbortCommand) -> None:
         if isinstance(cmd, _AbortCommand):
+            if cmd.stream is not None and self._streams.get(cmd.request_id) is not cmd.stream:
+                return  # the id now belongs to another request (or this one already finished)
             stream = self._streams.pop(cmd.request_id, None)
             if self.engine.abort_request(cmd.request_id) and stream is not None:
                 logger.debug("aborted request %s", cmd.request_id)
@@ -273,8 +285,11 @@ class AsyncEngine:
         """Fail the requests the failed step was running; the waiting ones keep their turn."""
         self.num_step_errors += 1
         logger.exception("kvflow engine step failed; failing the requests in the batch")
-        running = [seq.request_id for seq in getattr(self.engine.scheduler, "running", [])]
-        affected = running or list(self._streams)  # unknown batch: fail everyone rather than loop forever
+        running = [seq.request_id for seq in self.engine.scheduler.running]
+        # Requests that finished earlier in the failed step are gone from the engine, but their
+        # final output was lost with the exception: they must hear of the failure too.
+        orphans = [rid for rid in self._streams if not self.engine.has_request(rid)]
+        affected = list(dict.fromkeys(running + orphans)) or list(self._streams)  # unknown batch: fail everyone
         error = EngineStepError(f"the engine failed while running this request: {exc!r}")
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id in affected:
@@ -295,6 +310,7 @@ class AsyncEngine:
             deliveries.setdefault(stream.loop, []).append((stream, error))
         self._streams.clear()
         with self._cond:
+            self._closed = True
             pending, self._commands = self._commands, []
         for cmd in pending:
             if isinstance(cmd, _AddCommand):

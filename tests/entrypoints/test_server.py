@@ -11,6 +11,8 @@ import asyncio
 import json
 
 import openai
+import time
+
 import pytest
 
 from kvflow.entrypoints.openai import protocol as p
@@ -299,6 +301,37 @@ def test_step_error_fails_request_and_keeps_serving(live_server, client):
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices[0].finish_reason
     assert live_server.engine.num_step_errors == 1
+    assert live_server.wait_pool_free()
+
+
+def test_step_error_after_a_request_finished_still_answers_it(live_server, client):
+    """A step finishes one request, then fails: that request's output was lost with the
+    exception, and it is no longer running, yet it must get the error rather than hang."""
+    import concurrent.futures
+
+    engine = live_server.engine.engine
+    real_step = type(engine).step
+
+    def step_then_fail():
+        outputs = real_step(engine)
+        if any(o.finished for o in outputs):
+            del engine.step
+            raise RuntimeError("injected failure after the step's work")
+        return outputs
+
+    fast = client.with_options(timeout=60, max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long_request = pool.submit(fast.completions.create, model=MODEL_NAME, prompt="Tell me a story",
+                                   max_tokens=300, extra_body={"ignore_eos": True})
+        deadline = time.time() + 30
+        while live_server.engine.get_stats().num_running == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        engine.step = step_then_fail
+        with pytest.raises(openai.InternalServerError):
+            fast.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1)
+        with pytest.raises(openai.InternalServerError):
+            long_request.result()
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices[0].finish_reason
     assert live_server.wait_pool_free()
 
 

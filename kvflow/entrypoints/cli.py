@@ -241,27 +241,23 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, serve, roofline")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
-    t = kinds.add_parser("throughput", help="offline throughput (W-offline by default), optionally vs transformers")
-    add_model_args(t)
-    add_runtime_args(t)
-    throughput.add_arguments(t)
-    t.set_defaults(func=lambda args: throughput.run(engine_config_from_args(args), args) and 0)
-    pre = kinds.add_parser("prefix", help="W-prefix: a shared system prompt, prefix caching off vs on in one run")
-    add_model_args(pre)
-    add_runtime_args(pre)
-    prefix.add_arguments(pre)
-    pre.set_defaults(func=lambda args: prefix.run(engine_config_from_args(args), args) and 0)
-    lat = kinds.add_parser("latency", help="one request at a time: TTFT and inter-token latency (W-latency)")
-    add_model_args(lat)
-    add_runtime_args(lat)
-    latency.add_arguments(lat)
-    lat.set_defaults(func=lambda args: latency.run(engine_config_from_args(args), args) and 0)
-    s = kinds.add_parser("serve", help="load-test an OpenAI-compatible server (Poisson arrivals, streaming)")
-    serve.add_arguments(s)
-    s.set_defaults(func=lambda args: serve.run(args) and 0)
-    r = kinds.add_parser("roofline", help="this machine's matmul/bandwidth ceilings and a result's fraction of them")
-    roofline.add_arguments(r)
-    r.set_defaults(func=lambda args: roofline.run(args) and 0)
+    # (name, module, help, whether it builds an engine here and so takes the engine options)
+    benches = [
+        ("throughput", throughput, "offline throughput (W-offline by default), optionally vs transformers", True),
+        ("prefix", prefix, "W-prefix: a shared system prompt, prefix caching off vs on in one run", True),
+        ("latency", latency, "one request at a time: TTFT and inter-token latency (W-latency)", True),
+        ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
+        ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
+    ]
+    for name, module, help_text, runs_engine in benches:
+        b = kinds.add_parser(name, help=help_text)
+        if runs_engine:
+            add_model_args(b)
+            add_runtime_args(b)
+            b.set_defaults(func=lambda args, m=module: m.run(engine_config_from_args(args), args) and 0)
+        else:
+            b.set_defaults(func=lambda args, m=module: m.run(args) and 0)
+        module.add_arguments(b)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 

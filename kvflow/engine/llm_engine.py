@@ -91,7 +91,7 @@ class LLMEngine:
             self.eos_token_ids.append(eos)
         self.kv_cache_manager = KVCacheManager(self.plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.kv_cache_manager,
         )
         self.runner = ModelRunner(model, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids)

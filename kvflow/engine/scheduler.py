@@ -25,7 +25,6 @@ from kvflow.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
     # Free blocks kept per running sequence when admitting a new one: without this headroom an
     # admission can fill the pool, and the next decode step preempts (thrashing near a full cache).
     admission_headroom_blocks: int = 1

@@ -83,7 +83,8 @@ class LLMEngine:
             kv_cache_memory=config.kv_cache_memory,
             memory_utilization=config.memory_utilization,
         )
-        model = load_model(path, self.model_config, self.dtype, get_attn_backend("cpu"), config.load_format, config.seed)
+        attn_backend = get_attn_backend("cpu")
+        model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed)
         self.tokenizer = self._load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -94,7 +95,9 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.kv_cache_manager,
         )
-        self.runner = ModelRunner(model, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids)
+        self.runner = ModelRunner(
+            model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids
+        )
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
         self.generation_tokens_total = 0

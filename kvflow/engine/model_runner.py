@@ -1,7 +1,7 @@
 """Turns a scheduler decision into flat tensors, runs the model, and samples.
 
 The runner owns the KV cache tensors (one [2, num_blocks, block_size, kv_heads, head_dim]
-tensor per layer) and the model. Per step it builds, without per-token Python loops:
+tensor per layer, allocated by the attention backend) and the model. Per step it builds, without per-token Python loops:
   input_ids, positions  [num_tokens]   the new tokens of every scheduled sequence, concatenated
   slot_mapping          [num_tokens]   where each new token's K/V goes in the pool
   block_tables          [num_seqs, max_blocks]
@@ -21,7 +21,7 @@ from kvflow.config import ModelConfig
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.scheduler import SchedulerOutput
 from kvflow.engine.sequence import Sequence
-from kvflow.layers.attention import AttentionMetadata
+from kvflow.layers.attention import AttentionBackend, AttentionMetadata
 from kvflow.sampling.sampler import Sampler, SamplingMetadata
 
 
@@ -45,6 +45,7 @@ class ModelRunner:
     def __init__(
         self,
         model: nn.Module,
+        attn_backend: AttentionBackend,
         model_config: ModelConfig,
         kv_cache_manager: KVCacheManager,
         dtype: torch.dtype,
@@ -53,10 +54,11 @@ class ModelRunner:
         self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
-        shape = (2, kv_cache_manager.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
-        # Zeroed, not empty: batched decode reads whole blocks (masked past each sequence's
-        # length), and uninitialised memory may hold NaN, which a mask cannot cancel (NaN * 0).
-        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_hidden_layers)]
+        self.kv_caches = [
+            attn_backend.allocate_kv_cache(kv_cache_manager.num_blocks, self.block_size, model_config.num_key_value_heads,
+                                      model_config.head_dim, dtype)
+            for _ in range(model_config.num_hidden_layers)
+        ]
         self.sampler = Sampler()
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:

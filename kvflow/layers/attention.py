@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvflow.layers import cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -41,6 +43,15 @@ class AttentionBackend(ABC):
 
     name: str
 
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """One layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
+
+        Zeroed by default: a backend that reads whole blocks and masks past each sequence's
+        length must not meet NaN in never-written slots (NaN * 0 is NaN).
+        """
+        return torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+
     @abstractmethod
     def forward(
         self,
@@ -55,14 +66,25 @@ class AttentionBackend(ABC):
 
 
 class CPUAttentionBackend(AttentionBackend):
-    """PyTorch SDPA over K/V read through the block table.
+    """Paged attention on the CPU.
 
-    Decodes are batched into one pair of matmuls (keys gathered block-wise, padded, masked by length).
-    A prefill chunk with nothing cached yet attends over its own fresh K/V (no gather);
-    a later chunk gathers its cached context through the block table.
+    Decodes go through kvflow's compiled kernel (`cpu_kernels`), which reads K/V in place
+    through the block table; without it they are batched into two PyTorch matmuls over
+    gathered, padded blocks. A prefill chunk with nothing cached yet attends over its own
+    fresh K/V with SDPA (no gather); a later chunk gathers its cached context.
     """
 
     name = "cpu"
+
+    def __init__(self, use_kernels: bool = True) -> None:
+        self.kernels = cpu_kernels.load() if use_kernels else None
+
+    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype):
+        if self.kernels is None:
+            return super().allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        # The kernel never reads past a sequence's length and prefill reads only written slots,
+        # so the pool can stay unwritten: pages become resident only as blocks are first used.
+        return torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -89,8 +111,15 @@ class CPUAttentionBackend(AttentionBackend):
             out[start:end] = _causal_attention(q[start:end], keys, values, context_len, scale)
         return out
 
+    def _decode(self, q, key_cache, value_cache, meta, scale):
+        kernels = self.kernels
+        if kernels is not None and kernels.supports(q.dtype, q.shape[1], key_cache.shape[2], q.shape[2]):
+            tables = meta.block_tables[: q.shape[0]]
+            return kernels.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, meta.decode_seq_lens, scale)
+        return self._decode_torch(q, key_cache, value_cache, meta, scale)
+
     @staticmethod
-    def _decode(q, key_cache, value_cache, meta, scale):
+    def _decode_torch(q, key_cache, value_cache, meta, scale):
         """One query per sequence against its blocks, as two batched matmuls.
 
         Written out rather than through SDPA: SDPA's masked CPU path is an order of magnitude

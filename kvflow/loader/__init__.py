@@ -16,6 +16,7 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.layers.attention import AttentionBackend
+from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -88,6 +89,7 @@ def load_model(
         model.load_weights(iter_weights(path, load_format))
     model.to(dtype)  # also casts the rotary tables once
     model.eval()
+    pack_linear_weights(model)
     return model
 
 

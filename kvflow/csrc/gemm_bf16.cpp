@@ -45,6 +45,8 @@ int kvflow_has_gemm_bf16() { return 0; }
 #if defined(__AVX512BF16__)
 namespace {
 
+constexpr int64_t kPrefetchPairs = 16;  // 1 KiB ahead in each weight stream
+
 // MT rows x (NT x 16) columns; all accumulators stay in registers (MT * NT <= 24).
 template <int MT, int NT>
 inline void micro_kernel(const uint16_t* x, int64_t x_stride, const uint16_t* packed_tile0, int64_t tile_stride,
@@ -54,8 +56,11 @@ inline void micro_kernel(const uint16_t* x, int64_t x_stride, const uint16_t* pa
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
         __m512bh w[NT];
-        for (int j = 0; j < NT; ++j)
-            w[j] = (__m512bh)_mm512_loadu_si512(packed_tile0 + j * tile_stride + p * 32);
+        for (int j = 0; j < NT; ++j) {
+            const uint16_t* src = packed_tile0 + j * tile_stride + p * 32;
+            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
+            w[j] = (__m512bh)_mm512_loadu_si512(src);
+        }
         for (int m = 0; m < MT; ++m) {
             int32_t pair;
             std::memcpy(&pair, x + m * x_stride + 2 * p, sizeof(pair));

@@ -14,45 +14,19 @@
 // Scores, softmax and the weighted sum of V are accumulated in float32 whatever the
 // storage dtype, as the PyTorch path does.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#include <algorithm>
 #include <omp.h>
+
+#include "common.h"
 
 namespace {
 
-inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
-struct F32 {
-    using T = float;
-    static inline float load(T x) { return x; }
-    static inline T store(float x) { return x; }
-};
-
-struct BF16 {
-    using T = uint16_t;
-    static inline float load(T x) { return bf16_to_float(x); }
-    static inline T store(float x) { return float_to_bf16(x); }
-};
+using kvflow::BF16;
+using kvflow::F32;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxHeadDim = 256;
@@ -96,30 +70,8 @@ void decode_item_portable(const typename Dt::T* q, const typename Dt::T* key_cac
 }
 
 #if defined(__AVX512F__)
-// e^x for x <= 0 (scores minus their max): 2^n * e^r with |r| <= ln2/2, degree-7 Taylor
-// polynomial for e^r (relative error below 1e-8, under float32's epsilon).
-inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));  // e^-100 is 0 after scalef; keeps -inf out
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using kvflow::exp512;
+using kvflow::load16;
 
 // head_dim a multiple of 16: registers hold 16 lanes of a row; accumulation in float32.
 // One item covers `num_item_heads` adjacent KV heads of one sequence, so each token's K and V
@@ -162,11 +114,11 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (t = 0; t + 16 <= len; t += 16) {
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
             _mm512_storeu_ps(row + t, e);
             sum = _mm512_add_ps(sum, e);
         }
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m));
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m));
         _mm512_mask_storeu_ps(row + t, tail, e);
         sum = _mm512_mask_add_ps(sum, tail, sum, e);
         inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);

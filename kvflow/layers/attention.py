@@ -47,10 +47,10 @@ class AttentionBackend(ABC):
                           dtype: torch.dtype) -> torch.Tensor:
         """One layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
 
-        Zeroed by default: a backend that reads whole blocks and masks past each sequence's
-        length must not meet NaN in never-written slots (NaN * 0 is NaN).
+        Left unwritten: every reader looks only at slots below each sequence's length (or
+        masks the rest, values included), so pages become resident only as blocks are used.
         """
-        return torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+        return torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
 
     @abstractmethod
     def forward(
@@ -78,13 +78,6 @@ class CPUAttentionBackend(AttentionBackend):
 
     def __init__(self, use_kernels: bool = True) -> None:
         self.kernels = cpu_kernels.load() if use_kernels else None
-
-    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype):
-        if self.kernels is None:
-            return super().allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
-        # The kernel never reads past a sequence's length and prefill reads only written slots,
-        # so the pool can stay unwritten: pages become resident only as blocks are first used.
-        return torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -124,7 +117,8 @@ class CPUAttentionBackend(AttentionBackend):
 
         Written out rather than through SDPA: SDPA's masked CPU path is an order of magnitude
         slower in bf16 for this shape. Scores and softmax are float32; padding past each
-        sequence's length (stale or zeroed slots) is masked to -inf.
+        sequence's length (stale or never-written slots) is masked to -inf in the scores and
+        to 0 in the values, since a NaN there would survive a zero weight (NaN * 0 is NaN).
         """
         nd, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
@@ -140,6 +134,7 @@ class CPUAttentionBackend(AttentionBackend):
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [nd, KVH, group, L]
         padding = torch.arange(keys.shape[2]) >= meta.decode_seq_lens[:, None]
         scores.masked_fill_(padding.view(nd, 1, 1, -1), float("-inf"))
+        values.masked_fill_(padding.view(nd, 1, -1, 1), 0)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).view(nd, num_heads, head_dim)
 

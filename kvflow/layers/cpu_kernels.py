@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger("kvflow")
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "gemm_bf16.cpp"]
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -48,6 +49,16 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the kernels (or find them already compiled) and return the library's path."""
     cxx = _compiler()
@@ -55,7 +66,8 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in _SOURCES), " ".join(_FLAGS).encode(), version.encode()]:
+    # -march=native: a library built on one CPU must not be picked up on another.
+    for part in [*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags()]:
         digest.update(part)
     target = _cache_dir() / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -93,6 +105,14 @@ class CPUKernels:
         self.lib.kvflow_gemm_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
         self.lib.kvflow_gemm_bf16.restype = ctypes.c_int
         self.has_gemm_bf16 = bool(self.lib.kvflow_has_gemm_bf16())
+        self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
+        self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+        for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary):
+            fn.restype = ctypes.c_int
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in _DTYPE_CODES
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (
@@ -121,6 +141,10 @@ class CPUKernels:
                 raise ValueError(f"paged_decode_attention: {name} must be contiguous")
         if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
             raise ValueError("paged_decode_attention: block_tables and seq_lens must be int64")
+        if q.dtype not in _DTYPE_CODES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+            raise ValueError(f"paged_decode_attention: q and the cache must share one of {list(_DTYPE_CODES)}")
+        # Block ids and lengths are trusted (they come from the block manager): the kernel
+        # reads exactly seq_lens[i] slots through each table row.
         out = torch.empty_like(q)
         rc = self._decode(
             _DTYPE_CODES[q.dtype], q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -145,15 +169,76 @@ class CPUKernels:
         """x [M, K] bf16 @ W^T (+ bias) for a weight packed by `pack_bf16_weight`; [M, N] bf16."""
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+            raise ValueError("gemm_bf16: x, the packed weight and the bias must be bf16")
         m, k = x.shape
         if k != packed.shape[1] * 2 or n > packed.shape[0] * 16:
             raise ValueError(f"gemm_bf16: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} for N={n}")
         y = torch.empty((m, n), dtype=torch.bfloat16)
-        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+        if bias is not None:
+            bias = bias.contiguous()  # kept alive by this name until the kernel returns
+        bias_ptr = None if bias is None else bias.data_ptr()
         rc = self.lib.kvflow_gemm_bf16(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, bias_ptr, y.data_ptr(), n)
         if rc != 0:
             raise RuntimeError(f"gemm_bf16 failed (code {rc})")
         return y
+
+    # Fused elementwise ops (csrc/elementwise.cpp). Each takes contiguous rows of a supported dtype.
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """RMSNorm of x, or of (residual += x) when a residual is given; residual is updated in place."""
+        hidden = x.shape[-1]
+        out = torch.empty_like(x)
+        res_ptr = None if residual is None else residual.data_ptr()
+        _check(self.lib.kvflow_add_rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), res_ptr, weight.data_ptr(),
+                                            out.data_ptr(), x.numel() // hidden, hidden, eps), "add_rms_norm")
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2 * inter] -> [..., inter]: silu(gate) * up."""
+        inter = gate_up.shape[-1] // 2
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+        _check(self.lib.kvflow_silu_and_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+                                            gate_up.numel() // (2 * inter), inter), "silu_and_mul")
+        return out
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] in place; each may be a row-strided view (fused QKV).
+
+        cos/sin are the float32 [max_position, D] tables; they are rounded to q's dtype as the
+        reference does.
+        """
+        tokens, q_heads, head_dim = q.shape
+        for t in (q, k):
+            if t.stride(2) != 1 or t.stride(1) != head_dim or t.dtype != q.dtype:
+                raise ValueError("rotary_: q and k need contiguous heads of one dtype (rows may be strided)")
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or positions.dtype != torch.int64:
+            raise ValueError("rotary_: float32 cos/sin tables and int64 positions expected")
+        _check(self.lib.kvflow_rotary(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q_heads, k.data_ptr(),
+                                      k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                      tokens, head_dim), "rotary")
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise ValueError(f"{name}: unsupported input (code {rc})")
+
+
+def for_tensors(*tensors: torch.Tensor) -> CPUKernels | None:
+    """The kernels when they can take these tensors as they are (CPU, one supported dtype,
+    contiguous), else None: the caller's PyTorch path handles everything else."""
+    kernels = load()
+    if kernels is None:
+        return None
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPE_CODES:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            return None
+    return kernels
 
 
 @functools.cache

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvflow.layers import cpu_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1's frequency-dependent scaling: long wavelengths stretched, short ones kept."""
@@ -53,9 +55,27 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * attention_scaling, persistent=False)
+        # float32 copies that a model's dtype cast leaves alone: the fused kernel rounds them
+        # to the activation dtype itself, as the reference's `cos.to(x.dtype)` does.
+        self.cos_f32, self.sin_f32 = self.cos_cache.clone(), self.sin_cache.clone()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]; may be rotated in place.
+
+        q and k may be row-strided views into a fused QKV output (heads contiguous).
+        """
+        kernels = cpu_kernels.load()
+        if (
+            kernels is not None
+            and q.device.type == "cpu"
+            and q.dtype == k.dtype
+            and kernels.supports_dtype(q.dtype)
+            and q.stride(2) == 1 and k.stride(2) == 1
+            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+        ):
+            kernels.rotary_(q, k, positions, self.cos_f32, self.sin_f32)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)

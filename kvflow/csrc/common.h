@@ -1,0 +1,72 @@
+// Shared helpers for kvflow's CPU kernels: bf16 <-> float32 and a vectorised e^x.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvflow {
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// Storage dtypes: load to float32, store from float32, and `round` to what the dtype can hold
+// (where the reference rounds an intermediate result).
+struct F32 {
+    using T = float;
+    static inline float load(T x) { return x; }
+    static inline T store(float x) { return x; }
+    static inline float round(float x) { return x; }
+};
+
+struct BF16 {
+    using T = uint16_t;
+    static inline float load(T x) { return bf16_to_float(x); }
+    static inline T store(float x) { return float_to_bf16(x); }
+    static inline float round(float x) { return bf16_to_float(float_to_bf16(x)); }
+};
+
+#if defined(__AVX512F__)
+// e^x as 2^n * e^r with |r| <= ln2/2 and a degree-7 Taylor polynomial for e^r (relative
+// error below 1e-8, under float32's epsilon). Inputs are clamped to [-100, 88]: e^-100 comes
+// out as 0 through scalef, and -inf never meets the range reduction.
+inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+}  // namespace kvflow

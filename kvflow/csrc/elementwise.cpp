@@ -1,0 +1,152 @@
+// Fused elementwise ops of a Llama layer: residual add + RMSNorm, SiLU(gate) * up, and rotary.
+//
+// In PyTorch each is 3-12 separate ops, each a full pass over memory and a few microseconds
+// of dispatch; here each is one pass. Arithmetic is float32; where the reference rounds an
+// intermediate to the activation dtype (bf16), the kernel rounds at the same point, so the
+// bf16 results follow Hugging Face's order of roundings.
+//
+// All tensors are contiguous row-major; rows are split across PyTorch's OpenMP threads.
+
+#include <cmath>
+#include <cstdint>
+
+#include <omp.h>
+
+#include "common.h"
+
+namespace {
+
+using kvflow::BF16;
+using kvflow::F32;
+
+// Rows per OpenMP task: small tensors stay on one thread (a fork costs more than the work).
+inline bool worth_threads(int64_t elements) { return elements >= (1 << 15); }
+
+// residual (optional, in place) += x; out = weight * round(norm(residual)).
+template <typename Dt>
+void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt::T* weight, typename Dt::T* out,
+                  int64_t rows, int64_t hidden, float eps) {
+    using T = typename Dt::T;
+#pragma omp parallel for if (worth_threads(rows * hidden))
+    for (int64_t r = 0; r < rows; ++r) {
+        T* src = residual != nullptr ? residual + r * hidden : x + r * hidden;
+        if (residual != nullptr) {
+            const T* delta = x + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; ++i) src[i] = Dt::store(Dt::load(src[i]) + Dt::load(delta[i]));
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; ++i) {
+            const float v = Dt::load(src[i]);
+            sum += v * v;
+        }
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+        T* dst = out + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) dst[i] = Dt::store(Dt::load(weight[i]) * Dt::round(Dt::load(src[i]) * inv));
+    }
+}
+
+// out[r, :] = round(silu(gate)) * up, with gate_up[r] = [gate (inter) | up (inter)].
+template <typename Dt>
+void silu_and_mul(const typename Dt::T* gate_up, typename Dt::T* out, int64_t rows, int64_t inter) {
+    using T = typename Dt::T;
+#pragma omp parallel for if (worth_threads(rows * inter))
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* gate = gate_up + r * 2 * inter;
+        const T* up = gate + inter;
+        T* dst = out + r * inter;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        // Vectorised e^x: the scalar expf of the loop below would dominate the whole op.
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 g = kvflow::load16(gate + i);
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), kvflow::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, silu);
+            for (int j = 0; j < 16; ++j) dst[i + j] = Dt::store(Dt::round(tmp[j]) * Dt::load(up[i + j]));
+        }
+#endif
+        for (; i < inter; ++i) {
+            const float g = Dt::load(gate[i]);
+            dst[i] = Dt::store(Dt::round(g / (1.f + std::exp(-g))) * Dt::load(up[i]));
+        }
+    }
+}
+
+// Rotate-half rotary embedding in place on q [T, q_heads, D] and k [T, kv_heads, D] (row
+// stride given: q and k may be views into the fused QKV output). cos/sin: [max_pos, D] float32.
+template <typename Dt>
+void rotary(typename Dt::T* q, int64_t q_row_stride, int64_t q_heads, typename Dt::T* k, int64_t k_row_stride,
+            int64_t k_heads, const int64_t* positions, const float* cos_cache, const float* sin_cache,
+            int64_t tokens, int64_t head_dim) {
+    using T = typename Dt::T;
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (worth_threads(tokens * (q_heads + k_heads) * head_dim))
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* cos = cos_cache + positions[t] * head_dim;
+        const float* sin = sin_cache + positions[t] * head_dim;
+        for (int64_t which = 0; which < 2; ++which) {
+            T* base = which == 0 ? q + t * q_row_stride : k + t * k_row_stride;
+            const int64_t heads = which == 0 ? q_heads : k_heads;
+            for (int64_t h = 0; h < heads; ++h) {
+                T* x = base + h * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < half; ++i) {
+                    const float x1 = Dt::load(x[i]), x2 = Dt::load(x[i + half]);
+                    const float c1 = Dt::round(cos[i]), s1 = Dt::round(sin[i]);
+                    const float c2 = Dt::round(cos[i + half]), s2 = Dt::round(sin[i + half]);
+                    // Reference order: round(x * cos) + round(rotate_half(x) * sin), rounded.
+                    x[i] = Dt::store(Dt::round(x1 * c1) + Dt::round(-x2 * s1));
+                    x[i + half] = Dt::store(Dt::round(x2 * c2) + Dt::round(x1 * s2));
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. residual may be null (plain RMSNorm).
+int kvflow_add_rms_norm(int dtype, void* x, void* residual, const void* weight, void* out, int64_t rows,
+                        int64_t hidden, float eps) {
+    if (dtype == 0)
+        add_rms_norm<F32>(static_cast<float*>(x), static_cast<float*>(residual), static_cast<const float*>(weight),
+                          static_cast<float*>(out), rows, hidden, eps);
+    else if (dtype == 1)
+        add_rms_norm<BF16>(static_cast<uint16_t*>(x), static_cast<uint16_t*>(residual),
+                           static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows, hidden, eps);
+    else
+        return -2;
+    return 0;
+}
+
+int kvflow_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter) {
+    if (dtype == 0)
+        silu_and_mul<F32>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter);
+    else if (dtype == 1)
+        silu_and_mul<BF16>(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter);
+    else
+        return -2;
+    return 0;
+}
+
+int kvflow_rotary(int dtype, void* q, int64_t q_row_stride, int64_t q_heads, void* k, int64_t k_row_stride,
+                  int64_t k_heads, const int64_t* positions, const float* cos_cache, const float* sin_cache,
+                  int64_t tokens, int64_t head_dim) {
+    if (head_dim % 2 != 0) return -1;
+    if (dtype == 0)
+        rotary<F32>(static_cast<float*>(q), q_row_stride, q_heads, static_cast<float*>(k), k_row_stride, k_heads,
+                    positions, cos_cache, sin_cache, tokens, head_dim);
+    else if (dtype == 1)
+        rotary<BF16>(static_cast<uint16_t*>(q), q_row_stride, q_heads, static_cast<uint16_t*>(k), k_row_stride,
+                     k_heads, positions, cos_cache, sin_cache, tokens, head_dim);
+    else
+        return -2;
+    return 0;
+}
+
+}  // extern "C"

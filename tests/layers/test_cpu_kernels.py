@@ -1,0 +1,326 @@
+"""kvflow's compiled CPU kernels (kvflow/csrc) against float64 references computed from the math.
+
+Guards:
+  - the kernels build wherever a C++ compiler exists (a broken build fails here, it never skips);
+  - paged decode attention, both the AVX-512 and the portable loops, in float32 and bfloat16,
+    over GQA group sizes, head dims (including one that is not a multiple of 16), block sizes,
+    sequence lengths at and across block boundaries, shuffled block tables, and both work splits
+    (per KV head for few sequences, whole sequences for many); NaN-filled blocks behind the padding
+    entries of the tables, and in the unused tail slots of each last block, prove that only a
+    sequence's own tokens are read;
+  - the packed AVX512-BF16 GEMM: values, bias, ragged N, strided rows, batch invariance, bad shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvflow.layers import cpu_kernels
+
+if cpu_kernels._compiler() is None:
+    pytest.skip("no C++ compiler: kvflow's CPU kernels cannot be built here", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_kernels.CPUKernels:
+    k = cpu_kernels.load()
+    assert k is not None, "a C++ compiler exists but cpu_kernels.load() returned None (build failed or KVFLOW_CPU_KERNELS=0)"
+    return k
+
+
+def test_load_builds_the_kernels(kernels):
+    assert kernels.path.exists()
+    assert kernels.max_group >= 16 and kernels.max_head_dim >= 128
+    assert kernels.supports(torch.float32, 32, 8, 128)
+    assert kernels.supports(torch.bfloat16, 12, 4, 64)
+    assert not kernels.supports(torch.float16, 8, 8, 64)
+    assert not kernels.supports(torch.float32, 6, 4, 64)  # heads not a multiple of KV heads
+    assert not kernels.supports(torch.float32, 8 * (kernels.max_group + 1), 8, 64)
+    assert not kernels.supports(torch.float32, 8, 8, kernels.max_head_dim + 16)
+
+
+def test_kernels_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("KVFLOW_CPU_KERNELS", "0")
+    assert cpu_kernels.load.__wrapped__() is None  # bypass the cache of the real load()
+
+
+# ---- paged decode attention -------------------------------------------------------------
+
+
+def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """q, K/V caches, a shuffled block table with NaN-block padding, and seq_lens.
+
+    Every block a sequence owns comes from a random permutation of the pool; each table row is
+    padded with two entries pointing at NaN blocks, and the slots past a sequence's length in its
+    last block are NaN too, so reading anything but the sequence's own tokens poisons the output.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_valid = sum(blocks_per_seq)
+    num_nan = 3
+    perm = torch.randperm(num_valid + num_nan, generator=g)
+    valid_ids, nan_ids = perm[:num_valid], perm[num_valid:]
+
+    shape = (num_valid + num_nan, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=g)
+    value_cache = torch.randn(shape, generator=g)
+    key_cache[nan_ids] = float("nan")
+    value_cache[nan_ids] = float("nan")
+
+    width = max(blocks_per_seq) + 2
+    tables = torch.empty((len(seq_lens), width), dtype=torch.int64)
+    start = 0
+    for s, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        own = valid_ids[start : start + nb]
+        start += nb
+        tables[s, :nb] = own
+        tables[s, nb:] = nan_ids[torch.randint(num_nan, (width - nb,), generator=g)]
+        used_in_last = n - (nb - 1) * block_size
+        key_cache[own[-1], used_in_last:] = float("nan")
+        value_cache[own[-1], used_in_last:] = float("nan")
+
+    # A spread of score magnitudes, so the softmax is neither uniform nor one-hot.
+    q = 2.0 * torch.randn((len(seq_lens), num_heads, head_dim), generator=g)
+    return (
+        q.to(dtype),
+        key_cache.to(dtype),
+        value_cache.to(dtype),
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int64),
+    )
+
+
+def reference_decode(q, key_cache, value_cache, tables, seq_lens, scale):
+    """float64: gather each sequence's tokens through its table, softmax(q k^T * scale) v.
+
+    All sequences at once, padded to the longest and masked (one batched matmul instead of one per
+    sequence: small float64 matmuls are slow with intra-op threads on a busy machine).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    pos = torch.arange(int(seq_lens.max()))
+    valid = pos[None, :] < seq_lens[:, None]  # [S, L]
+    block = torch.gather(tables, 1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(num_seqs, -1))
+    slots = torch.where(valid, block * block_size + pos % block_size, 0)
+
+    def gather(cache):  # [S, KVH, L, D], zero past each sequence's length
+        rows = cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        return torch.where(valid[:, :, None, None], rows, 0.0).transpose(1, 2)
+
+    k, v = gather(key_cache), gather(value_cache)
+    qg = q.double().view(num_seqs, num_kv_heads, group, head_dim)  # query head h uses KV head h // group
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, KVH, group, L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).reshape(num_seqs, num_heads, head_dim)
+
+
+def assert_matches_reference(out, ref, dtype):
+    assert not torch.isnan(out).any(), "NaN in the output: the kernel read a slot outside a sequence's tokens"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    else:
+        # The kernel accumulates in float32 and rounds once; compare with the rounded reference.
+        torch.testing.assert_close(out.double(), ref.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size)
+SHAPES = [
+    pytest.param(4, 4, 64, 16, id="g1-d64-b16"),
+    pytest.param(6, 2, 128, 16, id="g3-d128-b16"),
+    pytest.param(8, 2, 64, 32, id="g4-d64-b32"),
+    pytest.param(8, 2, 128, 1, id="g4-d128-b1"),
+    pytest.param(6, 2, 40, 16, id="g3-d40-b16"),  # head_dim % 16 != 0: portable loops even when asked for AVX-512
+    pytest.param(32, 2, 64, 16, id="g16-d64-b16"),  # the largest group the kernel takes
+    pytest.param(72, 8, 32, 16, id="g9-h72-d32-b16"),  # more heads than one whole-sequence item may hold
+]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+
+
+def batch_lens(kind: str, block_size: int, seed: int) -> list[int]:
+    if kind == "one":
+        return [3 * block_size + 5]
+    if kind == "edges":  # length 1, exactly at a block boundary, just past one, across several
+        return [1, block_size, block_size + 1, 2 * block_size + block_size // 2 + 1, 3 * block_size]
+    # Enough sequences that the kernel switches to whole-sequence items whatever the thread count.
+    g = torch.Generator().manual_seed(seed)
+    n = max(40, 4 * torch.get_num_threads() + 1)
+    return torch.randint(1, 3 * block_size + 6, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
+@pytest.mark.parametrize("kind", ["one", "edges", "many"])
+def test_paged_decode_attention_matches_reference(kernels, kind, num_heads, num_kv_heads, head_dim, block_size,
+                                                  dtype, portable):
+    torch.manual_seed(0)
+    lens = batch_lens(kind, block_size, seed=head_dim + block_size)
+    q, kc, vc, tables, seq_lens = make_paged_case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                                  seed=num_heads * 1000 + head_dim)
+    scale = head_dim**-0.5
+    out = kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, portable=portable)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, scale), dtype)
+
+
+def test_paged_decode_attention_long_sequence(kernels):
+    """A context of several hundred tokens: softmax max/sum over many 16-lane chunks plus a tail."""
+    lens = [517, 1, 300]
+    q, kc, vc, tables, seq_lens = make_paged_case(lens, 8, 2, 64, 16, torch.float32, seed=7)
+    ref = reference_decode(q, kc, vc, tables, seq_lens, 0.125)
+    for portable in (False, True):
+        out = kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, portable=portable)
+        assert_matches_reference(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_is_batch_invariant(kernels, dtype, portable):
+    """A sequence's output is bitwise the same alone (per-KV-head items) or in a large batch
+    (whole-sequence items): the work split changes, the arithmetic per head must not."""
+    lens = batch_lens("many", 16, seed=5)
+    q, kc, vc, tables, seq_lens = make_paged_case(lens, 8, 2, 64, 16, dtype, seed=5)
+    batched = kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, portable=portable)
+    for s in (0, 1, len(lens) // 2, len(lens) - 1):
+        alone = kernels.paged_decode_attention(q[s : s + 1], kc, vc, tables[s : s + 1], seq_lens[s : s + 1], 0.125,
+                                               portable=portable)
+        assert torch.equal(alone[0], batched[s]), f"sequence {s} differs alone vs batched"
+
+
+def test_paged_decode_attention_rejects_bad_inputs(kernels):
+    q, kc, vc, tables, seq_lens = make_paged_case([5, 9], 4, 2, 64, 4, torch.float32)
+    with pytest.raises(ValueError, match="unsupported shape"):  # group beyond the kernel's maximum
+        big_q = torch.randn(2, 2 * (kernels.max_group + 1), 64)
+        kernels.paged_decode_attention(big_q, kc, vc, tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.paged_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_decode_attention(q, kc, vc, tables.int(), seq_lens, 0.125)
+
+
+# ---- bf16 GEMM on a packed weight ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemm(kernels):
+    if not kernels.has_gemm_bf16:
+        pytest.skip("this CPU has no AVX512-BF16: gemm_bf16 is not built")
+    return kernels
+
+
+def bf16_randn(*shape, generator=None):
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
+def reference_linear(x, w, bias):
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def assert_bf16_close(y, ref):
+    """Within bf16 rounding of the exact result (float32 accumulation adds far less than atol)."""
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("n", [16, 40, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+def test_gemm_bf16_matches_reference(gemm, m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 100_000 + n * 1000 + k)
+    x, w = bf16_randn(m, k, generator=g), bf16_randn(n, k, generator=g) / math.sqrt(k)
+    bias = bf16_randn(n, generator=g) if with_bias else None
+    packed = gemm.pack_bf16_weight(w)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+    y = gemm.gemm_bf16(x, packed, n, bias)
+    assert y.shape == (m, n)
+    assert_bf16_close(y, reference_linear(x, w, bias))
+
+
+def test_pack_bf16_weight_layout(gemm):
+    """[ceil(N/16), K/2, 16, 2]: tile, k-pair, column in tile, k within pair; columns past N are zero."""
+    n, k = 20, 6
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k).to(torch.bfloat16)
+    packed = gemm.pack_bf16_weight(w)
+    for col in range(32):
+        for kk in range(k):
+            expected = w[col, kk] if col < n else 0
+            assert packed[col // 16, kk // 2, col % 16, kk % 2] == expected
+
+
+def test_gemm_bf16_is_batch_invariant(gemm):
+    """Each row of a 17-row product (row blocks of 8, 8 and 1) is bitwise the row computed alone."""
+    torch.manual_seed(0)
+    m, n, k = 17, 200, 576
+    x, w, bias = bf16_randn(m, k), bf16_randn(n, k) / math.sqrt(k), bf16_randn(n)
+    packed = gemm.pack_bf16_weight(w)
+    for b in (None, bias):
+        batched = gemm.gemm_bf16(x, packed, n, b)
+        for i in range(m):
+            alone = gemm.gemm_bf16(x[i : i + 1], packed, n, b)
+            assert torch.equal(alone[0], batched[i]), f"row {i} differs when computed alone (bias={b is not None})"
+        # and any sub-batch, wherever it starts
+        assert torch.equal(gemm.gemm_bf16(x[5:14], packed, n, b), batched[5:14])
+
+
+def test_gemm_bf16_strided_rows(gemm):
+    """Rows with a stride larger than K (every other row, a column window, a transposed view)."""
+    torch.manual_seed(1)
+    n, k = 40, 64
+    w, bias = bf16_randn(n, k) / 8, bf16_randn(n)
+    packed = gemm.pack_bf16_weight(w)
+    base = bf16_randn(10, k + 13)
+    views = {
+        "every other row": base[::2, :k],
+        "column window at an odd offset": base[:, 3 : 3 + k],
+        "transposed (column-major)": bf16_randn(k, 7).t(),
+    }
+    for label, x in views.items():
+        assert not x.is_contiguous(), label
+        y = gemm.gemm_bf16(x, packed, n, bias)
+        assert torch.equal(y, gemm.gemm_bf16(x.contiguous(), packed, n, bias)), label
+        assert_bf16_close(y, reference_linear(x, w, bias))
+
+
+def test_gemm_bf16_rejects_bad_shapes(gemm):
+    w = bf16_randn(40, 64)
+    packed = gemm.pack_bf16_weight(w)
+    with pytest.raises(ValueError):  # K mismatch
+        gemm.gemm_bf16(bf16_randn(3, 62), packed, 40)
+    with pytest.raises(ValueError):  # more columns than the packed tiles hold
+        gemm.gemm_bf16(bf16_randn(3, 64), packed, 49)
+    with pytest.raises(ValueError):  # odd K cannot be packed in k-pairs
+        gemm.pack_bf16_weight(bf16_randn(40, 63))
+    with pytest.raises(ValueError):  # only bf16 weights are packed
+        gemm.pack_bf16_weight(torch.randn(40, 64))
+
+
+# Operands kvflow's own Linear never passes: each must raise ValueError or compute the right product.
+
+
+@pytest.mark.parametrize("which", ["bias", "x"])
+def test_gemm_bf16_rejects_float32_operands(gemm, which):
+    torch.manual_seed(2)
+    x, w, bias = bf16_randn(3, 64), bf16_randn(40, 64) / 8, bf16_randn(40)
+    packed = gemm.pack_bf16_weight(w)
+    ref = reference_linear(x, w, bias)
+    if which == "bias":
+        bias = bias.float()
+    else:
+        x = x.float()
+    with pytest.raises(ValueError, match="bf16"):
+        gemm.gemm_bf16(x, packed, 40, bias)
+
+
+def test_gemm_bf16_non_contiguous_bias(gemm):
+    torch.manual_seed(3)
+    x, w = bf16_randn(3, 64), bf16_randn(40, 64) / 8
+    bias = bf16_randn(80)[::2]
+    y = gemm.gemm_bf16(x, gemm.pack_bf16_weight(w), 40, bias)
+    assert_bf16_close(y, reference_linear(x, w, bias))

@@ -1,0 +1,166 @@
+"""kvflow.layers.linear: which packing `Linear.pack()` picks, and that packed outputs match F.linear.
+
+Guards:
+  - bf16 weights take kvflow's own GEMM when the kernels have AVX512-BF16 (else oneDNN, else plain),
+    float32 weights take oneDNN's prepacked weight when oneDNN is available;
+  - a packed layer's output matches F.linear on the plain weight (bf16 within rounding, float32 to
+    1e-5), for one row, many rows, 3-D input, with and without bias, and really runs the packed path;
+  - KVFLOW_PACKED_LINEAR=0 keeps the plain weight; `pack_linear_weights` counts each packing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.layers import cpu_kernels
+from kvflow.layers.linear import Linear, pack_linear_weights
+
+
+def expected_packing(dtype: torch.dtype, in_features: int = 64) -> str:
+    """The choice `pack()` should make on this machine, from the capabilities it depends on."""
+    kernels = cpu_kernels.load() if cpu_kernels._compiler() is not None else None
+    if dtype == torch.bfloat16 and kernels is not None and kernels.has_gemm_bf16 and in_features % 2 == 0:
+        return "kvflow-bf16"
+    if torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    ):
+        return "onednn"
+    return "plain"
+
+
+@pytest.fixture(autouse=True)
+def _packing_enabled(monkeypatch):
+    monkeypatch.delenv("KVFLOW_PACKED_LINEAR", raising=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_build_when_they_can():
+    """A machine with a compiler must get the kernels: a broken build fails here, never silently."""
+    if cpu_kernels._compiler() is not None:
+        assert cpu_kernels.load() is not None
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias).to(dtype)
+    with torch.no_grad():  # a non-trivial bias, on the scale of the product
+        if bias:
+            layer.bias.normal_()
+    return layer
+
+
+def test_bf16_packing_choice():
+    layer = make_linear(64, 40, True, torch.bfloat16)
+    assert layer.packing == "plain" and layer.packed_weight is None  # nothing packed until pack()
+    layer.pack()
+    assert layer.packing == expected_packing(torch.bfloat16)
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.has_gemm_bf16:
+        assert layer.packing == "kvflow-bf16"
+        assert layer.packed_weight.shape == (3, 32, 16, 2)  # [ceil(40/16), K/2, 16, 2]
+
+
+def test_bf16_odd_in_features_skips_kvflow_gemm():
+    layer = make_linear(63, 40, True, torch.bfloat16)
+    layer.pack()
+    assert layer.packing == expected_packing(torch.bfloat16, in_features=63) != "kvflow-bf16"
+
+
+def test_fp32_packing_choice():
+    layer = make_linear(64, 40, True, torch.float32)
+    layer.pack()
+    if torch.backends.mkldnn.is_available():
+        assert layer.packing == "onednn" and layer.packed_weight is not None
+    else:
+        assert layer.packing == "plain"
+
+
+@pytest.mark.parametrize("shape", [(1,), (33,), (2, 5)], ids=["1row", "33rows", "3d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_packed_output_matches_f_linear(monkeypatch, dtype, bias, shape):
+    k, n = 96, 40
+    layer = make_linear(k, n, bias, dtype, seed=len(shape) * 10 + shape[0])
+    x = torch.randn(*shape, k).to(dtype)
+    expected = F.linear(x, layer.weight, layer.bias)
+    exact = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+
+    layer.pack()
+    assert layer.packing == expected_packing(dtype)
+    with monkeypatch.context() as mp, torch.no_grad():
+        if layer.packing != "plain":  # prove the packed path ran, not the F.linear fallback
+            mp.setattr(F, "linear", lambda *a, **kw: pytest.fail("packed Linear fell back to F.linear"))
+        y = layer(x)
+
+    assert y.shape == (*shape, n) and y.dtype == dtype
+    if dtype == torch.bfloat16:
+        # Both are the float32-accumulated product rounded to bf16: within a bf16 step of each
+        # other, and each within half a step (plus float32 noise) of the exact product.
+        torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-3)
+    else:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_bf16_rows_do_not_depend_on_batch():
+    """The kvflow GEMM's promise: a token's output is the same alone or batched."""
+    if expected_packing(torch.bfloat16) != "kvflow-bf16":
+        pytest.skip("no kvflow bf16 GEMM on this machine")
+    layer = make_linear(96, 40, True, torch.bfloat16)
+    layer.pack()
+    x = torch.randn(17, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        batched = layer(x)
+        for i in range(x.shape[0]):
+            assert torch.equal(layer(x[i : i + 1])[0], batched[i])
+
+
+def test_env_forces_plain(monkeypatch):
+    layer = make_linear(64, 40, True, torch.bfloat16)
+    layer.pack()
+    monkeypatch.setenv("KVFLOW_PACKED_LINEAR", "0")
+    layer.pack()  # re-packing under the env drops any earlier packing
+    assert layer.packing == "plain" and layer.packed_weight is None
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_linear_weights_counts(monkeypatch, dtype):
+    def model():
+        torch.manual_seed(0)
+        # Two kvflow Linears, one plain nn.Linear (not ours: neither packed nor counted).
+        return nn.Sequential(Linear(64, 32), nn.ReLU(), Linear(32, 16), nn.Linear(16, 8)).to(dtype)
+
+    m = model()
+    assert pack_linear_weights(m) == {expected_packing(dtype): 2}
+    assert not hasattr(m[3], "packing")
+    x = torch.randn(4, 64).to(dtype)
+    with torch.no_grad():
+        y = m(x)
+    assert y.shape == (4, 8) and torch.isfinite(y.float()).all()
+
+    monkeypatch.setenv("KVFLOW_PACKED_LINEAR", "0")
+    assert pack_linear_weights(model()) == {"plain": 2}
+    assert pack_linear_weights(nn.Sequential(nn.Linear(4, 4))) == {}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_bf16_without_kvflow_gemm_falls_back_to_onednn(monkeypatch, bias):
+    """No kernels (no compiler, KVFLOW_CPU_KERNELS=0): bf16 takes oneDNN's prepacked weight, whose
+    results the module docstring promises are bit-identical to F.linear."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    layer = make_linear(96, 40, bias, torch.bfloat16)
+    layer.pack()
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        assert layer.packing == "plain"
+        return
+    assert layer.packing == "onednn"
+    x = torch.randn(2, 5, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))

@@ -12,10 +12,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <omp.h>
+
+#include "dpbf16.h"
 
 extern "C" {
 
@@ -45,57 +44,22 @@ int kvflow_has_gemm_bf16() { return 0; }
 #if defined(__AVX512BF16__)
 namespace {
 
-constexpr int64_t kPrefetchPairs = 16;  // 1 KiB ahead in each weight stream
-
-// MT rows x (NT x 16) columns; all accumulators stay in registers (MT * NT <= 24).
-template <int MT, int NT>
-inline void micro_kernel(const uint16_t* x, int64_t x_stride, const uint16_t* packed_tile0, int64_t tile_stride,
-                         int64_t pairs, int64_t n0, int64_t n, const uint16_t* bias, uint16_t* y, int64_t y_stride) {
-    __m512 acc[MT][NT];
-    for (int m = 0; m < MT; ++m)
-        for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-        __m512bh w[NT];
-        for (int j = 0; j < NT; ++j) {
-            const uint16_t* src = packed_tile0 + j * tile_stride + p * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
-            w[j] = (__m512bh)_mm512_loadu_si512(src);
-        }
-        for (int m = 0; m < MT; ++m) {
-            int32_t pair;
-            std::memcpy(&pair, x + m * x_stride + 2 * p, sizeof(pair));
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
-        }
-    }
-    for (int j = 0; j < NT; ++j) {
+// Writes one 16-column accumulator of a row block: + bias, rounded to bf16, masked at N.
+struct StoreBf16 {
+    uint16_t* y;
+    int64_t y_stride, n0, n;
+    const uint16_t* bias;
+    inline void operator()(int m, int j, __m512 acc) const {
         const int64_t col = n0 + j * 16;
-        if (col >= n) break;
-        const int64_t left = n - col;
-        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-        __m512 b = _mm512_setzero_ps();
+        if (col >= n) return;
+        const __mmask16 mask = kvflow::tail_mask(n - col);
         if (bias != nullptr) {
             const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
         }
-        for (int m = 0; m < MT; ++m) {
-            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));
-            _mm256_mask_storeu_epi16(y + m * y_stride + col, mask, (__m256i)out);
-        }
+        _mm256_mask_storeu_epi16(y + m * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
     }
-}
-
-template <int NT>
-void rows_block(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
-                int64_t pairs, int64_t n0, int64_t n, const uint16_t* bias, uint16_t* y, int64_t y_stride) {
-    switch (rows) {
-#define KVFLOW_ROWS(R) \
-    case R: micro_kernel<R, NT>(x, x_stride, tile0, tile_stride, pairs, n0, n, bias, y, y_stride); break;
-        KVFLOW_ROWS(1) KVFLOW_ROWS(2) KVFLOW_ROWS(3) KVFLOW_ROWS(4)
-        KVFLOW_ROWS(5) KVFLOW_ROWS(6) KVFLOW_ROWS(7) KVFLOW_ROWS(8)
-#undef KVFLOW_ROWS
-    }
-}
+};
 
 }  // namespace
 #endif
@@ -104,7 +68,7 @@ extern "C" int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
                                 int64_t n, const uint16_t* bias, uint16_t* y, int64_t y_stride) {
 #if defined(__AVX512BF16__)
     if (k % 2 != 0) return -1;
-    constexpr int kTileCols = 16, kNT = 2, kRowsPerBlock = 8;
+    constexpr int kTileCols = 16, kNT = 2, kRowsPerBlock = kvflow::kMaxBlockRows;
     const int64_t pairs = k / 2, tile_stride = pairs * 32;
     const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
     // Columns are split across threads; each chunk's weight slice (32 columns x K) stays in
@@ -116,10 +80,11 @@ extern "C" int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t
         const int64_t tiles_left = (n - n0 + kTileCols - 1) / kTileCols;
         for (int64_t r = 0; r < m; r += kRowsPerBlock) {
             const int64_t rows = m - r < kRowsPerBlock ? m - r : kRowsPerBlock;
+            StoreBf16 store{y + r * y_stride, y_stride, n0, n, bias};
             if (tiles_left >= kNT)
-                rows_block<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, n0, n, bias, y + r * y_stride, y_stride);
+                kvflow::dpbf16_rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, store);
             else
-                rows_block<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, n0, n, bias, y + r * y_stride, y_stride);
+                kvflow::dpbf16_rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, store);
         }
     }
     return 0;

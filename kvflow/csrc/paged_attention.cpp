@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <omp.h>
@@ -197,6 +198,21 @@ void decode(const typename Dt::T* q, const typename Dt::T* key_cache, const type
 }  // namespace
 
 extern "C" {
+
+// key_cache/value_cache slot `slot_mapping[t]` <- row t of k / v ([tokens, row_bytes] with the
+// given row strides in bytes: k and v may be views into the fused QKV output).
+void kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,
+                     void* value_cache, const int64_t* slot_mapping, int64_t tokens, int64_t row_bytes) {
+    const char* ks = static_cast<const char*>(k);
+    const char* vs = static_cast<const char*>(v);
+    char* kd = static_cast<char*>(key_cache);
+    char* vd = static_cast<char*>(value_cache);
+#pragma omp parallel for if (tokens * row_bytes >= (1 << 18))
+    for (int64_t t = 0; t < tokens; ++t) {
+        std::memcpy(kd + slot_mapping[t] * row_bytes, ks + t * k_row_stride, static_cast<size_t>(row_bytes));
+        std::memcpy(vd + slot_mapping[t] * row_bytes, vs + t * v_row_stride, static_cast<size_t>(row_bytes));
+    }
+}
 
 int kvflow_max_group() { return kMaxGroup; }
 int kvflow_max_head_dim() { return kMaxHeadDim; }

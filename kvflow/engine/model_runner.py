@@ -92,6 +92,8 @@ class ModelRunner:
             num_decodes=num_decodes,
             block_size=self.block_size,
             decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]),
+            query_start_tensor=torch.from_numpy(query_start),
+            seq_lens_tensor=torch.from_numpy(seq_lens),
         )
         return ModelInput(
             input_ids=torch.tensor(token_ids, dtype=torch.int64),

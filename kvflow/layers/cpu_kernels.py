@@ -98,6 +98,8 @@ class CPUKernels:
         fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
+        self.lib.kvflow_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64]
+        self.lib.kvflow_write_kv.restype = None
         self.max_group = self.lib.kvflow_max_group()
         self.max_head_dim = self.lib.kvflow_max_head_dim()
         self.lib.kvflow_pack_bf16_weight.argtypes = [ptr, i64, i64, ptr]
@@ -108,7 +110,10 @@ class CPUKernels:
         self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
         self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
-        for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary):
+        self.lib.kvflow_paged_prefill_attention_bf16.argtypes = [
+            ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary,
+                   self.lib.kvflow_paged_prefill_attention_bf16):
             fn.restype = ctypes.c_int
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
@@ -121,6 +126,23 @@ class CPUKernels:
             and num_heads // num_kv_heads <= self.max_group
             and head_dim <= self.max_head_dim
         )
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key_cache/value_cache[slot_mapping[t]] = k[t], v[t]; k/v [T, kv_heads, head_dim] may be row-strided views."""
+        tokens, num_kv_heads, head_dim = k.shape
+        for t in (k, v):
+            if t.stride(2) != 1 or t.stride(1) != head_dim or t.dtype != key_cache.dtype:
+                raise ValueError("write_kv: k/v need contiguous heads in the cache's dtype")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or slot_mapping.dtype != torch.int64:
+            raise ValueError("write_kv: contiguous caches and int64 slot_mapping expected")
+        if key_cache.shape[-2:] != (num_kv_heads, head_dim):
+            raise ValueError("write_kv: k/v heads do not match the cache")
+        slot_mapping = slot_mapping.contiguous()
+        size = k.element_size()
+        self.lib.kvflow_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                                 key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens,
+                                 num_kv_heads * head_dim * size)
 
     def paged_decode_attention(
         self,
@@ -154,6 +176,37 @@ class CPUKernels:
         if rc != 0:
             raise ValueError(f"paged_decode_attention: unsupported shape (code {rc})")
         return out
+
+    def supports_prefill(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """The bf16 prefill kernel needs AVX512-BF16 and head_dim a multiple of 16 (up to 256)."""
+        return (self.has_gemm_bf16 and dtype == torch.bfloat16 and num_heads % num_kv_heads == 0
+                and head_dim % 16 == 0 and head_dim <= 256)
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim] bf16, heads contiguous (rows may be strided)
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], chunk K/V already written
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_seqs, >= max blocks] int64, contiguous
+        query_start: torch.Tensor,  # [num_seqs + 1] int64: each chunk's first row in q and out
+        seq_lens: torch.Tensor,  # [num_seqs] int64: context + chunk length
+        out: torch.Tensor,  # [T, num_heads, head_dim] bf16, contiguous; rows of these chunks are written
+        scale: float,
+    ) -> None:
+        """Causal attention of each sequence's chunk over all its keys so far, in place into `out`."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
+            raise ValueError("paged_prefill_attention: q needs contiguous heads and out must be contiguous")
+        if not (q.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16):
+            raise ValueError("paged_prefill_attention: bf16 only")
+        for name, t in (("block_tables", block_tables), ("query_start", query_start), ("seq_lens", seq_lens)):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"paged_prefill_attention: {name} must be contiguous int64")
+        _check(self.lib.kvflow_paged_prefill_attention_bf16(
+            q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
+            seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale), "paged_prefill_attention")
 
     def pack_bf16_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] bf16 -> the [ceil(N/16), K/2, 16, 2] layout `gemm_bf16` streams (K must be even)."""

@@ -46,7 +46,7 @@ def test_greedy_is_argmax() -> None:
     assert _sample(logits, [SamplingParams(temperature=0.0)] * 6) == logits.argmax(-1).tolist()
 
 
-def test_all_greedy_fast_path_only_argmax() -> None:
+def test_all_greedy_fast_path_is_one_reduction() -> None:
     params = [SamplingParams(temperature=0.0, seed=i) for i in range(4)]
     meta = _meta(params, 50)
     assert meta.all_greedy
@@ -63,9 +63,18 @@ def test_all_greedy_fast_path_only_argmax() -> None:
     logits = torch.randn(4, 50)
     with Record():
         out = Sampler()(logits, meta)
-    assert set(called) <= {"argmax", "tolist"}
+    assert set(called) <= {"max", "tolist"}
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 4
+
+
+def test_greedy_ties_take_the_lowest_token_id() -> None:
+    logits = torch.zeros(3, 49152)
+    logits[0, [7, 5]] = 1.0
+    logits[1, [40000, 3]] = 2.0
+    logits[2, [49151, 100]] = 3.0
+    meta = _meta([SamplingParams(temperature=0.0)] * 3, 49152)
+    assert Sampler()(logits, meta).token_ids == [5, 3, 100]
 
 
 def test_fast_path_off_when_extra_work_needed() -> None:

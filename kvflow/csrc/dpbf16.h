@@ -1,0 +1,67 @@
+// The register-blocked AVX512-BF16 product at the heart of kvflow's bf16 kernels.
+//
+// out[m, j*16 + lane] = sum_p x[m, 2p:2p+2] . W[j][p][lane][0:2]   (float32 accumulation)
+// x: MT rows of bf16, rows `x_stride` apart, read as k-pairs (one 32-bit broadcast per pair).
+// W: NT tiles of a packed weight, each [pairs][16][2] bf16, tiles `tile_stride` apart: one
+// 64-byte load feeds one vdpbf16ps (16 output columns x 2 k). All MT x NT accumulators stay
+// in registers; `store(m, j, acc)` receives each finished 16-column accumulator.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace kvflow {
+
+constexpr int64_t kPrefetchPairs = 16;  // 1 KiB ahead in each weight stream
+constexpr int kMaxBlockRows = 8;
+
+template <int MT, int NT, typename Store>
+inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
+                         int64_t pairs, Store& store) {
+    __m512 acc[MT][NT];
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512bh w[NT];
+        for (int j = 0; j < NT; ++j) {
+            const uint16_t* src = tile0 + j * tile_stride + p * 32;
+            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
+            w[j] = (__m512bh)_mm512_loadu_si512(src);
+        }
+        for (int m = 0; m < MT; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * x_stride + 2 * p, sizeof(pair));
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
+        }
+    }
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
+}
+
+// Any row count up to kMaxBlockRows, dispatched to a fully unrolled block.
+template <int NT, typename Store>
+inline void dpbf16_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0,
+                        int64_t tile_stride, int64_t pairs, Store& store) {
+    switch (rows) {
+        case 1: dpbf16_block<1, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 2: dpbf16_block<2, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 3: dpbf16_block<3, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 4: dpbf16_block<4, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 5: dpbf16_block<5, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 6: dpbf16_block<6, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 7: dpbf16_block<7, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 8: dpbf16_block<8, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        default: break;
+    }
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+}  // namespace kvflow
+#endif

@@ -106,6 +106,7 @@ class CPUKernels:
         self.lib.kvflow_pack_bf16_weight.restype = None
         self.lib.kvflow_gemm_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
         self.lib.kvflow_gemm_bf16.restype = ctypes.c_int
+        self._gemm = self.lib.kvflow_gemm_bf16
         self.has_gemm_bf16 = bool(self.lib.kvflow_has_gemm_bf16())
         self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
@@ -227,11 +228,19 @@ class CPUKernels:
         m, k = x.shape
         if k != packed.shape[1] * 2 or n > packed.shape[0] * 16:
             raise ValueError(f"gemm_bf16: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} for N={n}")
-        y = torch.empty((m, n), dtype=torch.bfloat16)
         if bias is not None:
             bias = bias.contiguous()  # kept alive by this name until the kernel returns
-        bias_ptr = None if bias is None else bias.data_ptr()
-        rc = self.lib.kvflow_gemm_bf16(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, bias_ptr, y.data_ptr(), n)
+        return self.gemm_bf16_prevalidated(x, packed=packed, n=n, bias=bias)
+
+    def gemm_bf16_prevalidated(self, x: torch.Tensor, *, packed: torch.Tensor, n: int,
+                               bias: torch.Tensor | None) -> torch.Tensor:
+        """`gemm_bf16` without the checks, for a caller that validated its operands once
+        (`Linear` binds its packed weight and contiguous bias at pack time): x must be a bf16
+        [M, K] matrix with unit column stride and K matching the packed weight."""
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.bfloat16)
+        rc = self._gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), n)
         if rc != 0:
             raise RuntimeError(f"gemm_bf16 failed (code {rc})")
         return y

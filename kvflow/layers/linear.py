@@ -14,6 +14,7 @@ The plain weight stays the source of truth for loading and inspection.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,6 +38,10 @@ class Linear(nn.Linear):
         kernels = cpu_kernels.load()
         if weight.dtype == torch.bfloat16 and kernels is not None and kernels.has_gemm_bf16 and weight.shape[1] % 2 == 0:
             self.packed_weight, self.packing = kernels.pack_bf16_weight(weight), "kvflow-bf16"
+            bias = None if self.bias is None else self.bias.detach().to(torch.bfloat16).contiguous()
+            # Everything but x is fixed from here on: bind it once, so a call costs one ctypes hop.
+            self._gemm = functools.partial(kernels.gemm_bf16_prevalidated, packed=self.packed_weight,
+                                           n=self.out_features, bias=bias)
             return
         onednn_ok = torch.backends.mkldnn.is_available() and (
             weight.dtype == torch.float32
@@ -51,9 +56,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packing == "kvflow-bf16" and x.dtype == torch.bfloat16:
-            kernels = cpu_kernels.load()
-            rows = x.reshape(-1, x.shape[-1])
-            return kernels.gemm_bf16(rows, self.packed_weight, self.out_features, self.bias).view(*x.shape[:-1], -1)
+            if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features:
+                return self._gemm(x)
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return cpu_kernels.load().gemm_bf16(rows, self.packed_weight, self.out_features, self.bias).view(
+                *x.shape[:-1], -1)
         if self.packing == "onednn" and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

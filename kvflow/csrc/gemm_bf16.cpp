@@ -1,4 +1,4 @@
-// Few-row bf16 GEMM for decoding: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation.
+// bf16 GEMM for every linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation.
 //
 // At the 1-32 rows of a decode step a linear layer is a stream over its weight, and
 // PyTorch's oneDNN path leaves half the memory bandwidth unused there. This kernel reads

@@ -18,11 +18,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
 
 #include "common.h"
+#include "dpbf16.h"
 
 namespace {
 
@@ -74,6 +76,68 @@ void decode_item_portable(const typename Dt::T* q, const typename Dt::T* key_cac
 using kvflow::exp512;
 using kvflow::load16;
 
+// Scores one key at a time: q.k as float32 FMAs and one horizontal sum per (key, query head).
+template <typename T>
+inline void scores_fp32(const __m512 (*qv)[kMaxHeadDim / 16], const T* key_cache, const int64_t* table, int64_t len,
+                        int64_t num_item_heads, int64_t group, int64_t nv, int64_t head_dim, int64_t block_size,
+                        int64_t token_stride, int64_t block_stride, float scale, float* scores) {
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+        const T* krow = key_cache + table[b] * block_stride;
+        for (const int64_t end = std::min(len, t + block_size); t < end; ++t, krow += token_stride) {
+            for (int64_t h = 0; h < num_item_heads; ++h) {
+                __m512 kv[kMaxHeadDim / 16];
+                for (int64_t j = 0; j < nv; ++j) kv[j] = load16(krow + h * head_dim + j * 16);
+                for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+                    __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
+                    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[r][j], kv[j], acc);
+                    scores[r * len + t] = _mm512_reduce_add_ps(acc) * scale;
+                }
+            }
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 scores 16 keys at a time: q.k straight from the bf16 rows with vdpbf16ps (products
+// exact in float32, no conversion of K), and the 16 horizontal sums done as one transpose-add.
+inline void scores_bf16_keys16(const uint16_t* q, const uint16_t* key_cache, const int64_t* table, int64_t len,
+                               int64_t num_item_heads, int64_t group, int64_t head_dim, int64_t block_size,
+                               int64_t token_stride, int64_t block_stride, float scale, float* scores) {
+    const int64_t nq = head_dim / 32, rows = num_item_heads * group;
+    __m512bh qb[kMaxRows][kMaxHeadDim / 32];
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < nq; ++j) qb[r][j] = (__m512bh)_mm512_loadu_si512(q + r * head_dim + j * 32);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t count = std::min<int64_t>(16, len - t0);
+        const uint16_t* krows[16];
+        if (block_size % 16 == 0) {  // the 16 keys share one block
+            const uint16_t* base = key_cache + table[t0 / block_size] * block_stride + (t0 % block_size) * token_stride;
+            for (int64_t i = 0; i < 16; ++i) krows[i] = base + (i < count ? i : 0) * token_stride;
+        } else {
+            for (int64_t i = 0; i < 16; ++i) {
+                const int64_t t = t0 + (i < count ? i : 0);  // past the end: a repeat, never stored
+                krows[i] = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            }
+        }
+        const __mmask16 valid = kvflow::tail_mask(count);
+        for (int64_t h = 0; h < num_item_heads; ++h) {
+            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+                __m512 acc[16];
+                for (int64_t i = 0; i < 16; ++i) {
+                    const uint16_t* k = krows[i] + h * head_dim;
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[r][0], (__m512bh)_mm512_loadu_si512(k));
+                    for (int64_t j = 1; j < nq; ++j) a = _mm512_dpbf16_ps(a, qb[r][j], (__m512bh)_mm512_loadu_si512(k + j * 32));
+                    acc[i] = a;
+                }
+                _mm512_mask_storeu_ps(scores + r * len + t0, valid, _mm512_mul_ps(kvflow::sum_lanes16(acc), vscale));
+            }
+        }
+    }
+}
+#endif
+
 // head_dim a multiple of 16: registers hold 16 lanes of a row; accumulation in float32.
 // One item covers `num_item_heads` adjacent KV heads of one sequence, so each token's K and V
 // rows are read as one contiguous run (heads are adjacent within a slot).
@@ -89,19 +153,18 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
         for (int64_t j = 0; j < nv; ++j) qv[r][j] = load16(q + r * head_dim + j * 16);
 
     const int64_t num_blocks = (len + block_size - 1) / block_size;
-    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-        const T* krow = key_cache + table[b] * block_stride;
-        for (const int64_t end = std::min(len, t + block_size); t < end; ++t, krow += token_stride) {
-            for (int64_t h = 0; h < num_item_heads; ++h) {
-                __m512 kv[kMaxHeadDim / 16];
-                for (int64_t j = 0; j < nv; ++j) kv[j] = load16(krow + h * head_dim + j * 16);
-                for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-                    __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
-                    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[r][j], kv[j], acc);
-                    scores[r * len + t] = _mm512_reduce_add_ps(acc) * scale;
-                }
-            }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<Dt, BF16>) {
+        if (head_dim % 32 == 0) {
+            scores_bf16_keys16(q, key_cache, table, len, num_item_heads, group, head_dim, block_size, token_stride,
+                               block_stride, scale, scores);
+        } else {
+            scores_fp32(qv, key_cache, table, len, num_item_heads, group, nv, head_dim, block_size, token_stride, block_stride, scale, scores);
         }
+    } else
+#endif
+    {
+        scores_fp32(qv, key_cache, table, len, num_item_heads, group, nv, head_dim, block_size, token_stride, block_stride, scale, scores);
     }
 
     float inv_sum[kMaxRows];

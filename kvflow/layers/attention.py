@@ -86,7 +86,7 @@ class CPUAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if self.kernels is not None and k.dtype == key_cache.dtype and k.stride(2) == 1 and v.stride(2) == 1:
+        if self.kernels is not None and k.dtype == key_cache.dtype and _heads_contiguous(k) and _heads_contiguous(v):
             self.kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)  # 10x cheaper than index_copy_
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -99,7 +99,7 @@ class CPUAttentionBackend(AttentionBackend):
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale)
         kernels = self.kernels
-        if (kernels is not None and meta.query_start_tensor is not None
+        if (kernels is not None and meta.query_start_tensor is not None and _heads_contiguous(q)
                 and kernels.supports_prefill(q.dtype, q.shape[1], num_kv_heads, head_dim)):
             kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables[nd:],
                                             meta.query_start_tensor[nd:], meta.seq_lens_tensor[nd:], out, scale)
@@ -150,6 +150,11 @@ class CPUAttentionBackend(AttentionBackend):
         values.masked_fill_(padding.view(nd, 1, -1, 1), 0)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).view(nd, num_heads, head_dim)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, head_dim] with each token's heads back to back (rows may be strided, as in views of fused QKV)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 # Above this many attention scores (heads x queries x keys) a chunk goes through SDPA's masked

@@ -110,7 +110,7 @@ class CPUKernels:
         self.has_gemm_bf16 = bool(self.lib.kvflow_has_gemm_bf16())
         self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
-        self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+        self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
         self.lib.kvflow_paged_prefill_attention_bf16.argtypes = [
             ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
         for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary,
@@ -137,8 +137,10 @@ class CPUKernels:
                 raise ValueError("write_kv: k/v need contiguous heads in the cache's dtype")
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or slot_mapping.dtype != torch.int64:
             raise ValueError("write_kv: contiguous caches and int64 slot_mapping expected")
-        if key_cache.shape[-2:] != (num_kv_heads, head_dim):
-            raise ValueError("write_kv: k/v heads do not match the cache")
+        if key_cache.shape[-2:] != (num_kv_heads, head_dim) or v.shape != k.shape:
+            raise ValueError("write_kv: k and v must share one shape matching the cache's heads")
+        if slot_mapping.shape != (tokens,):
+            raise ValueError(f"write_kv: slot_mapping needs one slot per token ({tokens}), got {tuple(slot_mapping.shape)}")
         slot_mapping = slot_mapping.contiguous()
         size = k.element_size()
         self.lib.kvflow_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
@@ -278,9 +280,14 @@ class CPUKernels:
                 raise ValueError("rotary_: q and k need contiguous heads of one dtype (rows may be strided)")
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or positions.dtype != torch.int64:
             raise ValueError("rotary_: float32 cos/sin tables and int64 positions expected")
-        _check(self.lib.kvflow_rotary(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q_heads, k.data_ptr(),
-                                      k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                      tokens, head_dim), "rotary")
+        if cos.shape != sin.shape or cos.shape[1] != head_dim or positions.shape != (tokens,):
+            raise ValueError("rotary_: tables must be [max_position, head_dim] and positions one per token")
+        rc = self.lib.kvflow_rotary(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q_heads, k.data_ptr(),
+                                    k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    tokens, head_dim, cos.shape[0])
+        if rc == -3:
+            raise IndexError(f"rotary_: a position is outside the table's {cos.shape[0]} positions")
+        _check(rc, "rotary")
 
 
 def _check(rc: int, name: str) -> None:

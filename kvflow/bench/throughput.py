@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import resource
 import time
@@ -57,6 +58,15 @@ class ThroughputResult:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def current_rss_mb() -> float:
+    """Resident memory now (not the peak), to see whether repeated runs grow."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
 
 
 def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, label: str = "kvflow") -> ThroughputResult:
@@ -166,6 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also run the same requests through transformers generate() and print the ratios")
     g.add_argument("--baseline-batch-size", type=int, default=16, help="static batch size of the hf baseline")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--repeat", type=int, default=1,
+                   help="time N runs in one process, each on a fresh draw (dataset seed + 1000*i), and report "
+                        "each run's throughput and resident memory: steady state and leaks")
 
 
 def run(config, args: argparse.Namespace) -> ThroughputResult:
@@ -182,6 +195,16 @@ def run(config, args: argparse.Namespace) -> ThroughputResult:
     print(result.summary())
     report: dict = {"kind": "throughput", "result": asdict(result), "args": vars(args),
                     "machine": platform.processor() or platform.machine()}
+    if args.repeat > 1:
+        runs = [{"total_tokens_per_s": result.total_tokens_per_s, "rss_mb": current_rss_mb()}]
+        for i in range(1, args.repeat):
+            again = run_kvflow(engine, build_requests(args, args.dataset_seed + 1000 * i, engine.tokenizer, vocab))
+            runs.append({"total_tokens_per_s": again.total_tokens_per_s, "rss_mb": current_rss_mb()})
+            print(f"run {i + 1}/{args.repeat}: {again.total_tokens_per_s:.1f} total tok/s, RSS {runs[-1]['rss_mb']:.0f} MB")
+        rates = sorted(r["total_tokens_per_s"] for r in runs)
+        print(f"{args.repeat} runs: median {rates[len(rates) // 2]:.1f} total tok/s; RSS after run 1 "
+              f"{runs[0]['rss_mb']:.0f} MB, after run {args.repeat} {runs[-1]['rss_mb']:.0f} MB")
+        report["repeats"] = runs
     if args.baseline == "hf":
         from kvflow.bench.hf_baseline import run_baseline
 

@@ -43,6 +43,14 @@ def test_throughput_alone(tiny, tmp_path, capsys):
     assert "kvflow (float32)" in capsys.readouterr().out
 
 
+def test_throughput_repeat_reports_each_run(tiny, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", tiny, *ENGINE, *SMALL, "--repeat", "3", "--output", str(out)]) == 0
+    runs = _load(out)["repeats"]
+    assert len(runs) == 3 and all(r["total_tokens_per_s"] > 0 and r["rss_mb"] > 0 for r in runs)
+    assert "3 runs: median" in capsys.readouterr().out
+
+
 def test_throughput_with_hf_baseline(tiny, tmp_path, capsys):
     out = tmp_path / "tp-hf.json"
     args = ["bench", "throughput", "--model", tiny, *ENGINE, *SMALL, "--baseline", "hf", "--baseline-batch-size", "2",

@@ -1,6 +1,7 @@
 // Shared helpers for kvflow's CPU kernels: bf16 <-> float32 and a vectorised e^x.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -76,6 +77,16 @@ inline __m512 sum_lanes16(const __m512* a) {
         d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// max(row[0:len)), len >= 1: the first pass of an exact softmax.
+inline float row_max(const float* row, int64_t len) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
+    return _mm512_reduce_max_ps(mx);
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

@@ -170,18 +170,15 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
     float inv_sum[kMaxRows];
     for (int64_t r = 0; r < rows; ++r) {
         float* row = scores + r * len;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
         __m512 sum = _mm512_setzero_ps();
-        for (t = 0; t + 16 <= len; t += 16) {
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
             const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
             _mm512_storeu_ps(row + t, e);
             sum = _mm512_add_ps(sum, e);
         }
+        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
         const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m));
         _mm512_mask_storeu_ps(row + t, tail, e);
         sum = _mm512_mask_add_ps(sum, tail, sum, e);

@@ -112,14 +112,9 @@ void run_item(const Item& it, const uint16_t* q, int64_t q_stride, const uint16_
             const int64_t len = context + it.q0 + r + 1;
             float* row = sc.s.data() + r * padded;
             uint16_t* prow = sc.p.data() + r * padded;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            int64_t t = 0;
-            for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-            const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-            mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
-            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
             __m512 sum = _mm512_setzero_ps();
-            for (t = 0; t < padded; t += 16) {
+            for (int64_t t = 0; t < padded; t += 16) {
                 const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
                 const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
                 const __m256bh pb = _mm512_cvtneps_pbh(e);

@@ -1,7 +1,7 @@
 """kvflow's compiled CPU kernels (kvflow/csrc) against float64 references computed from the math.
 
 Guards:
-  - the kernels build wherever a C++ compiler exists (a broken build fails here, it never skips);
+  - the kernels build (a missing compiler or broken build fails here, it never skips);
   - paged decode attention, both the AVX-512 and the portable loops, in float32 and bfloat16,
     over GQA group sizes, head dims (including one that is not a multiple of 16), block sizes,
     sequence lengths at and across block boundaries, shuffled block tables, and both work splits
@@ -20,15 +20,8 @@ import torch
 
 from kvflow.layers import cpu_kernels
 
-if cpu_kernels._compiler() is None:
-    pytest.skip("no C++ compiler: kvflow's CPU kernels cannot be built here", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def kernels() -> cpu_kernels.CPUKernels:
-    k = cpu_kernels.load()
-    assert k is not None, "a C++ compiler exists but cpu_kernels.load() returned None (build failed or KVFLOW_CPU_KERNELS=0)"
-    return k
 
 
 def test_load_builds_the_kernels(kernels):
@@ -207,10 +200,8 @@ def test_paged_decode_attention_rejects_bad_inputs(kernels):
 
 
 @pytest.fixture(scope="module")
-def gemm(kernels):
-    if not kernels.has_gemm_bf16:
-        pytest.skip("this CPU has no AVX512-BF16: gemm_bf16 is not built")
-    return kernels
+def gemm(bf16_kernels):
+    return bf16_kernels
 
 
 def bf16_randn(*shape, generator=None):

@@ -21,7 +21,7 @@ from kvflow.layers.linear import Linear, pack_linear_weights
 
 def expected_packing(dtype: torch.dtype, in_features: int = 64) -> str:
     """The choice `pack()` should make on this machine, from the capabilities it depends on."""
-    kernels = cpu_kernels.load() if cpu_kernels._compiler() is not None else None
+    kernels = cpu_kernels.load()
     if dtype == torch.bfloat16 and kernels is not None and kernels.has_gemm_bf16 and in_features % 2 == 0:
         return "kvflow-bf16"
     if torch.backends.mkldnn.is_available() and (
@@ -37,10 +37,8 @@ def _packing_enabled(monkeypatch):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _kernels_build_when_they_can():
-    """A machine with a compiler must get the kernels: a broken build fails here, never silently."""
-    if cpu_kernels._compiler() is not None:
-        assert cpu_kernels.load() is not None
+def _kernels_are_built(kernels):
+    """The kernels are part of the install: a broken build fails here, never silently."""
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Linear:
@@ -109,7 +107,7 @@ def test_packed_output_matches_f_linear(monkeypatch, dtype, bias, shape):
 def test_packed_bf16_rows_do_not_depend_on_batch():
     """The kvflow GEMM's promise: a token's output is the same alone or batched."""
     if expected_packing(torch.bfloat16) != "kvflow-bf16":
-        pytest.skip("no kvflow bf16 GEMM on this machine")
+        pytest.skip("this CPU has no AVX512-BF16: kvflow's bf16 GEMM is not built for it")
     layer = make_linear(96, 40, True, torch.bfloat16)
     layer.pack()
     x = torch.randn(17, 96).to(torch.bfloat16)

@@ -1,7 +1,8 @@
 """Turns a scheduler decision into flat tensors, runs the model, and samples.
 
-The runner owns the KV cache tensors (one [2, num_blocks, block_size, kv_heads, head_dim]
-tensor per layer, allocated by the attention backend) and the model. Per step it builds, without per-token Python loops:
+The runner owns the model and the KV cache tensors (one [2, num_blocks, block_size,
+kv_heads, head_dim] tensor per layer, allocated by the attention backend). Per step it
+builds, without per-token Python loops:
   input_ids, positions  [num_tokens]   the new tokens of every scheduled sequence, concatenated
   slot_mapping          [num_tokens]   where each new token's K/V goes in the pool
   block_tables          [num_seqs, max_blocks]
@@ -55,8 +56,8 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
         self.kv_caches = [
-            attn_backend.allocate_kv_cache(kv_cache_manager.num_blocks, self.block_size, model_config.num_key_value_heads,
-                                      model_config.head_dim, dtype)
+            attn_backend.allocate_kv_cache(kv_cache_manager.num_blocks, self.block_size,
+                                           model_config.num_key_value_heads, model_config.head_dim, dtype)
             for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler()
@@ -91,7 +92,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables),
             num_decodes=num_decodes,
             block_size=self.block_size,
-            decode_seq_lens=torch.from_numpy(seq_lens[:num_decodes]),
             query_start_tensor=torch.from_numpy(query_start),
             seq_lens_tensor=torch.from_numpy(seq_lens),
         )

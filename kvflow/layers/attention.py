@@ -31,13 +31,25 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     num_decodes: int  # the first `num_decodes` sequences have exactly one query token
     block_size: int
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for batched decode masks
-    query_start_tensor: torch.Tensor | None = None  # query_start_loc as int64, for compiled kernels
-    seq_lens_tensor: torch.Tensor | None = None  # seq_lens as int64, for compiled kernels
+    # The same offsets and lengths as int64 tensors, for the kernels; built from the lists when
+    # not given (the runner passes views of the arrays it already has).
+    query_start_tensor: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.query_start_tensor is None:
+            self.query_start_tensor = torch.tensor(self.query_start_loc, dtype=torch.int64)
+        if self.seq_lens_tensor is None:
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int64)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def decode_seq_lens(self) -> torch.Tensor:
+        """[num_decodes] int64: the context length of each decoding sequence."""
+        return self.seq_lens_tensor[: self.num_decodes]
 
 
 class AttentionBackend(ABC):
@@ -86,7 +98,7 @@ class CPUAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if self.kernels is not None and k.dtype == key_cache.dtype and _heads_contiguous(k) and _heads_contiguous(v):
+        if self.kernels is not None and k.dtype == key_cache.dtype and cpu_kernels.heads_contiguous(k) and cpu_kernels.heads_contiguous(v):
             self.kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)  # 10x cheaper than index_copy_
         else:
             key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -99,7 +111,7 @@ class CPUAttentionBackend(AttentionBackend):
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, meta, scale)
         kernels = self.kernels
-        if (kernels is not None and meta.query_start_tensor is not None and _heads_contiguous(q)
+        if (kernels is not None and cpu_kernels.heads_contiguous(q)
                 and kernels.supports_prefill(q.dtype, q.shape[1], num_kv_heads, head_dim)):
             kernels.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables[nd:],
                                             meta.query_start_tensor[nd:], meta.seq_lens_tensor[nd:], out, scale)
@@ -150,11 +162,6 @@ class CPUAttentionBackend(AttentionBackend):
         values.masked_fill_(padding.view(nd, 1, -1, 1), 0)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).view(nd, num_heads, head_dim)
-
-
-def _heads_contiguous(x: torch.Tensor) -> bool:
-    """[T, heads, head_dim] with each token's heads back to back (rows may be strided, as in views of fused QKV)."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 # Above this many attention scores (heads x queries x keys) a chunk goes through SDPA's masked

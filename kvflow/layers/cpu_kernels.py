@@ -133,7 +133,7 @@ class CPUKernels:
         """key_cache/value_cache[slot_mapping[t]] = k[t], v[t]; k/v [T, kv_heads, head_dim] may be row-strided views."""
         tokens, num_kv_heads, head_dim = k.shape
         for t in (k, v):
-            if t.stride(2) != 1 or t.stride(1) != head_dim or t.dtype != key_cache.dtype:
+            if not heads_contiguous(t) or t.dtype != key_cache.dtype:
                 raise ValueError("write_kv: k/v need contiguous heads in the cache's dtype")
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or slot_mapping.dtype != torch.int64:
             raise ValueError("write_kv: contiguous caches and int64 slot_mapping expected")
@@ -199,7 +199,7 @@ class CPUKernels:
         """Causal attention of each sequence's chunk over all its keys so far, in place into `out`."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-        if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
+        if not heads_contiguous(q) or not out.is_contiguous():
             raise ValueError("paged_prefill_attention: q needs contiguous heads and out must be contiguous")
         if not (q.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16):
             raise ValueError("paged_prefill_attention: bf16 only")
@@ -276,7 +276,7 @@ class CPUKernels:
         """
         tokens, q_heads, head_dim = q.shape
         for t in (q, k):
-            if t.stride(2) != 1 or t.stride(1) != head_dim or t.dtype != q.dtype:
+            if not heads_contiguous(t) or t.dtype != q.dtype:
                 raise ValueError("rotary_: q and k need contiguous heads of one dtype (rows may be strided)")
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or positions.dtype != torch.int64:
             raise ValueError("rotary_: float32 cos/sin tables and int64 positions expected")
@@ -293,6 +293,12 @@ class CPUKernels:
 def _check(rc: int, name: str) -> None:
     if rc != 0:
         raise ValueError(f"{name}: unsupported input (code {rc})")
+
+
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, head_dim] with each token's heads back to back: what the attention, rotary
+    and KV-write kernels take (rows may be strided, as in views of a fused QKV output)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def for_tensors(*tensors: torch.Tensor) -> CPUKernels | None:

@@ -70,8 +70,7 @@ class RotaryEmbedding(nn.Module):
             and q.device.type == "cpu"
             and q.dtype == k.dtype
             and kernels.supports_dtype(q.dtype)
-            and q.stride(2) == 1 and k.stride(2) == 1
-            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+            and cpu_kernels.heads_contiguous(q) and cpu_kernels.heads_contiguous(k)
             and positions.dtype == torch.int64 and positions.is_contiguous()
         ):
             kernels.rotary_(q, k, positions, self.cos_f32, self.sin_f32)

@@ -72,7 +72,6 @@ def build_step(head_dim: int, dtype: torch.dtype, seed: int = 0):
         block_tables=block_tables,
         num_decodes=num_decodes,
         block_size=BLOCK_SIZE,
-        decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64),
     )
     total = query_start_loc[-1]
     q = torch.randn(total, NUM_HEADS, head_dim, generator=g).to(dtype)

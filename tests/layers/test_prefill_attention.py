@@ -93,7 +93,7 @@ def build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decode
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slot_mapping), query_start_loc=query_start, seq_lens=seq_lens, block_tables=tables,
-        num_decodes=num_decodes, block_size=block_size, decode_seq_lens=lens[:num_decodes],
+        num_decodes=num_decodes, block_size=block_size,
         query_start_tensor=torch.tensor(query_start, dtype=torch.int64), seq_lens_tensor=lens)
     return Step(qkv, q, k, v, kv_cache, meta, full_k, full_v)
 

@@ -33,7 +33,6 @@ using kvflow::F32;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxRows = 64;    // query heads one AVX-512 item may cover
 
 // Portable reference: any head_dim, any x86 or ARM compiler. The AVX-512 path below is the
 // fast one; the tests run both against PyTorch.
@@ -76,136 +75,175 @@ void decode_item_portable(const typename Dt::T* q, const typename Dt::T* key_cac
 using kvflow::exp512;
 using kvflow::load16;
 
-// Scores one key at a time: q.k as float32 FMAs and one horizontal sum per (key, query head).
+// Registers blocked for one head_dim (NV = head_dim / 16 float32 vectors per row) so that the
+// accumulators of the q.k and p.V products stay in registers; a runtime head_dim would keep
+// them in memory and triple the kernel's time.
+
+// The 16 keys starting at token t0 of one KV head: row pointers, repeating the last valid one
+// past the end (read, never stored).
 template <typename T>
-inline void scores_fp32(const __m512 (*qv)[kMaxHeadDim / 16], const T* key_cache, const int64_t* table, int64_t len,
-                        int64_t num_item_heads, int64_t group, int64_t nv, int64_t head_dim, int64_t block_size,
-                        int64_t token_stride, int64_t block_stride, float scale, float* scores) {
-    const int64_t num_blocks = (len + block_size - 1) / block_size;
-    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-        const T* krow = key_cache + table[b] * block_stride;
-        for (const int64_t end = std::min(len, t + block_size); t < end; ++t, krow += token_stride) {
-            for (int64_t h = 0; h < num_item_heads; ++h) {
-                __m512 kv[kMaxHeadDim / 16];
-                for (int64_t j = 0; j < nv; ++j) kv[j] = load16(krow + h * head_dim + j * 16);
-                for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-                    __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
-                    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[r][j], kv[j], acc);
-                    scores[r * len + t] = _mm512_reduce_add_ps(acc) * scale;
-                }
-            }
-        }
+inline void key_rows16(const T* cache, const int64_t* table, int64_t t0, int64_t count, int64_t block_size,
+                       int64_t token_stride, int64_t block_stride, const T** rows) {
+    if (block_size % 16 == 0) {  // the 16 keys share one block
+        const T* base = cache + table[t0 / block_size] * block_stride + (t0 % block_size) * token_stride;
+        for (int64_t i = 0; i < 16; ++i) rows[i] = base + (i < count ? i : count - 1) * token_stride;
+        return;
+    }
+    for (int64_t i = 0; i < 16; ++i) {
+        const int64_t t = t0 + (i < count ? i : count - 1);
+        rows[i] = cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
     }
 }
 
+// q.k of one query row with one key row, as a 16-lane partial sum (lanes summed later).
+// bf16 with head_dim % 32 == 0: vdpbf16ps straight from the bf16 rows (products exact in
+// float32); otherwise float32 FMAs.
+template <typename Dt, int NV>
+struct QKDot {
+    using T = typename Dt::T;
+    static constexpr bool kPairs = std::is_same_v<Dt, BF16> && NV % 2 == 0
+#if !defined(__AVX512BF16__)
+                                   && false
+#endif
+        ;
+    __m512 qv[NV];
 #if defined(__AVX512BF16__)
-// bf16 scores 16 keys at a time: q.k straight from the bf16 rows with vdpbf16ps (products
-// exact in float32, no conversion of K), and the 16 horizontal sums done as one transpose-add.
-inline void scores_bf16_keys16(const uint16_t* q, const uint16_t* key_cache, const int64_t* table, int64_t len,
-                               int64_t num_item_heads, int64_t group, int64_t head_dim, int64_t block_size,
-                               int64_t token_stride, int64_t block_stride, float scale, float* scores) {
-    const int64_t nq = head_dim / 32, rows = num_item_heads * group;
-    __m512bh qb[kMaxRows][kMaxHeadDim / 32];
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < nq; ++j) qb[r][j] = (__m512bh)_mm512_loadu_si512(q + r * head_dim + j * 32);
+    __m512bh qb[NV / 2 > 0 ? NV / 2 : 1];
+#endif
+    explicit QKDot(const T* q) {
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs) {
+            for (int j = 0; j < NV / 2; ++j) qb[j] = (__m512bh)_mm512_loadu_si512(q + j * 32);
+            return;
+        }
+#endif
+        for (int j = 0; j < NV; ++j) qv[j] = load16(q + j * 16);
+    }
+    inline __m512 operator()(const T* k) const {
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs) {
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(k));
+            for (int j = 1; j < NV / 2; ++j) a = _mm512_dpbf16_ps(a, qb[j], (__m512bh)_mm512_loadu_si512(k + j * 32));
+            return a;
+        }
+#endif
+        __m512 a = _mm512_mul_ps(qv[0], load16(k));
+        for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[j], load16(k + j * 16), a);
+        return a;
+    }
+};
+
+// scores[g, t] = scale * q[g] . k[t] for the `group` query rows of one KV head, 16 keys at a
+// time with the 16 horizontal sums done as one transpose-add.
+template <typename Dt, int NV>
+void head_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const int64_t* table, int64_t len,
+                 int64_t group, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
+                 float* scores) {
+    using T = typename Dt::T;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, len - t0);
-        const uint16_t* krows[16];
-        if (block_size % 16 == 0) {  // the 16 keys share one block
-            const uint16_t* base = key_cache + table[t0 / block_size] * block_stride + (t0 % block_size) * token_stride;
-            for (int64_t i = 0; i < 16; ++i) krows[i] = base + (i < count ? i : 0) * token_stride;
-        } else {
-            for (int64_t i = 0; i < 16; ++i) {
-                const int64_t t = t0 + (i < count ? i : 0);  // past the end: a repeat, never stored
-                krows[i] = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-            }
-        }
+        const T* krows[16];
+        key_rows16(key_cache, table, t0, count, block_size, token_stride, block_stride, krows);
         const __mmask16 valid = kvflow::tail_mask(count);
-        for (int64_t h = 0; h < num_item_heads; ++h) {
-            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-                __m512 acc[16];
-                for (int64_t i = 0; i < 16; ++i) {
-                    const uint16_t* k = krows[i] + h * head_dim;
-                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[r][0], (__m512bh)_mm512_loadu_si512(k));
-                    for (int64_t j = 1; j < nq; ++j) a = _mm512_dpbf16_ps(a, qb[r][j], (__m512bh)_mm512_loadu_si512(k + j * 32));
-                    acc[i] = a;
-                }
-                _mm512_mask_storeu_ps(scores + r * len + t0, valid, _mm512_mul_ps(kvflow::sum_lanes16(acc), vscale));
-            }
+        for (int64_t g = 0; g < group; ++g) {
+            const QKDot<Dt, NV> dot(q + g * NV * 16);
+            __m512 acc[16];
+            for (int i = 0; i < 16; ++i) acc[i] = dot(krows[i]);
+            _mm512_mask_storeu_ps(scores + g * len + t0, valid, _mm512_mul_ps(kvflow::sum_lanes16(acc), vscale));
         }
     }
 }
-#endif
 
-// head_dim a multiple of 16: registers hold 16 lanes of a row; accumulation in float32.
-// One item covers `num_item_heads` adjacent KV heads of one sequence, so each token's K and V
-// rows are read as one contiguous run (heads are adjacent within a slot).
-template <typename Dt>
-void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
-                        const int64_t* table, int64_t len, typename Dt::T* out, int64_t num_item_heads, int64_t group,
-                        int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
-                        float* scores) {
-    using T = typename Dt::T;
-    const int64_t nv = head_dim / 16, rows = num_item_heads * group;
-    __m512 qv[kMaxRows][kMaxHeadDim / 16];
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < nv; ++j) qv[r][j] = load16(q + r * head_dim + j * 16);
-
-    const int64_t num_blocks = (len + block_size - 1) / block_size;
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<Dt, BF16>) {
-        if (head_dim % 32 == 0) {
-            scores_bf16_keys16(q, key_cache, table, len, num_item_heads, group, head_dim, block_size, token_stride,
-                               block_stride, scale, scores);
-        } else {
-            scores_fp32(qv, key_cache, table, len, num_item_heads, group, nv, head_dim, block_size, token_stride, block_stride, scale, scores);
-        }
-    } else
-#endif
-    {
-        scores_fp32(qv, key_cache, table, len, num_item_heads, group, nv, head_dim, block_size, token_stride, block_stride, scale, scores);
-    }
-
-    float inv_sum[kMaxRows];
+// Each score row -> e^(s - max), returning 1 / sum.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_sum) {
     for (int64_t r = 0; r < rows; ++r) {
         float* row = scores + r * len;
         const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
         __m512 sum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
-            _mm512_storeu_ps(row + t, e);
-            sum = _mm512_add_ps(sum, e);
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 valid = kvflow::tail_mask(len - t);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m));
+            _mm512_mask_storeu_ps(row + t, valid, e);
+            sum = _mm512_mask_add_ps(sum, valid, sum, e);
         }
-        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m));
-        _mm512_mask_storeu_ps(row + t, tail, e);
-        sum = _mm512_mask_add_ps(sum, tail, sum, e);
         inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
     }
+}
 
-    __m512 acc[kMaxRows][kMaxHeadDim / 16];
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < nv; ++j) acc[r][j] = _mm512_setzero_ps();
+// out[r] = inv_sum[r] * sum_t p[r, t] V[t] for R query rows of one KV head, all R x NV
+// accumulators in registers, float32 throughout.
+template <typename Dt, int NV, int R>
+void head_pv_rows(const float* p, int64_t len, const typename Dt::T* value_cache, const int64_t* table,
+                  int64_t block_size, int64_t token_stride, int64_t block_stride, const float* inv_sum,
+                  typename Dt::T* out) {
+    using T = typename Dt::T;
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
     for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
         const T* vrow = value_cache + table[b] * block_stride;
         for (const int64_t end = std::min(len, t + block_size); t < end; ++t, vrow += token_stride) {
-            for (int64_t h = 0; h < num_item_heads; ++h) {
-                __m512 vv[kMaxHeadDim / 16];
-                for (int64_t j = 0; j < nv; ++j) vv[j] = load16(vrow + h * head_dim + j * 16);
-                for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-                    const __m512 p = _mm512_set1_ps(scores[r * len + t]);
-                    for (int64_t j = 0; j < nv; ++j) acc[r][j] = _mm512_fmadd_ps(p, vv[j], acc[r][j]);
-                }
+            __m512 vv[NV];
+            for (int j = 0; j < NV; ++j) vv[j] = load16(vrow + j * 16);
+            for (int r = 0; r < R; ++r) {
+                const __m512 pr = _mm512_set1_ps(p[r * len + t]);
+                for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(pr, vv[j], acc[r][j]);
             }
         }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-        alignas(64) float row[kMaxHeadDim];
+    for (int r = 0; r < R; ++r) {
+        alignas(64) float row[NV * 16];
         const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-        for (int64_t j = 0; j < nv; ++j) _mm512_store_ps(row + j * 16, _mm512_mul_ps(acc[r][j], inv));
-        for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = Dt::store(row[d]);
+        for (int j = 0; j < NV; ++j) _mm512_store_ps(row + j * 16, _mm512_mul_ps(acc[r][j], inv));
+        for (int d = 0; d < NV * 16; ++d) out[r * NV * 16 + d] = Dt::store(row[d]);
+    }
+}
+
+// As many rows per pass over V as the registers hold (R x NV accumulators plus one V row).
+template <int NV>
+constexpr int kPVRows = std::max(1, std::min(8, (28 - NV) / NV));
+
+template <typename Dt, int NV, int R = kPVRows<NV>>
+void head_pv(const float* p, int64_t rows, int64_t len, const typename Dt::T* value_cache, const int64_t* table,
+             int64_t block_size, int64_t token_stride, int64_t block_stride, const float* inv_sum,
+             typename Dt::T* out) {
+    if constexpr (R > 0) {
+        for (; rows >= R; rows -= R, p += R * len, inv_sum += R, out += R * NV * 16)
+            head_pv_rows<Dt, NV, R>(p, len, value_cache, table, block_size, token_stride, block_stride, inv_sum, out);
+        if (rows > 0)  // fewer left than a full pass: the next smaller register block
+            head_pv<Dt, NV, R - 1>(p, rows, len, value_cache, table, block_size, token_stride, block_stride, inv_sum, out);
+    }
+}
+
+// One sequence's query rows for `num_item_heads` adjacent KV heads, one head at a time.
+template <typename Dt, int NV>
+void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
+                        const int64_t* table, int64_t len, typename Dt::T* out, int64_t num_item_heads, int64_t group,
+                        int64_t block_size, int64_t token_stride, int64_t block_stride, float scale, float* scores) {
+    constexpr int64_t head_dim = NV * 16;
+    float inv_sum[kMaxGroup];
+    for (int64_t h = 0; h < num_item_heads; ++h) {
+        const int64_t row0 = h * group * head_dim;
+        head_scores<Dt, NV>(q + row0, key_cache + h * head_dim, table, len, group, block_size, token_stride,
+                            block_stride, scale, scores);
+        softmax_rows(scores, group, len, inv_sum);
+        head_pv<Dt, NV>(scores, group, len, value_cache + h * head_dim, table, block_size, token_stride, block_stride,
+                        inv_sum, out + row0);
+    }
+}
+
+template <typename Dt>
+using DecodeItemFn = decltype(&decode_item_avx512<Dt, 1>);
+
+// head_dim / 16 -> the instantiation for it (head_dim a multiple of 16, at most kMaxHeadDim).
+template <typename Dt, int NV = 1>
+DecodeItemFn<Dt> decode_item_for(int64_t nv) {
+    if constexpr (NV > kMaxHeadDim / 16) {
+        return nullptr;
+    } else {
+        return nv == NV ? &decode_item_avx512<Dt, NV> : decode_item_for<Dt, NV + 1>(nv);
     }
 }
 #endif
@@ -219,32 +257,32 @@ void decode(const typename Dt::T* q, const typename Dt::T* key_cache, const type
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
 #if defined(__AVX512F__)
-    portable = portable || head_dim % 16 != 0;
+    const DecodeItemFn<Dt> fast = portable || head_dim % 16 != 0 ? nullptr : decode_item_for<Dt>(head_dim / 16);
+    portable = fast == nullptr;
 #else
     portable = true;
 #endif
     // Whole sequences per item when there are enough of them to keep every thread busy
     // (contiguous reads); otherwise one KV head per item, so a single sequence still uses all cores.
     int64_t item_heads = 1;
-    if (!portable && num_heads <= kMaxRows && num_seqs >= 4 * omp_get_max_threads()) item_heads = num_kv_heads;
+    if (!portable && num_seqs >= 4 * omp_get_max_threads()) item_heads = num_kv_heads;
     const int64_t items_per_seq = num_kv_heads / item_heads;
     const int64_t num_items = num_seqs * items_per_seq;
 
 #pragma omp parallel
     {
-        std::vector<float> scores;  // [item_heads * group, seq_len], reused across this thread's items
+        std::vector<float> scores;  // [group, seq_len], reused across this thread's items and heads
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             const int64_t s = item / items_per_seq, h = (item % items_per_seq) * item_heads;
             const int64_t len = seq_lens[s];
-            scores.resize(static_cast<size_t>(item_heads * group * len));
+            scores.resize(static_cast<size_t>(group * len));
             const int64_t q_offset = (s * num_heads + h * group) * head_dim;
             const int64_t* table = block_tables + s * block_table_stride;
 #if defined(__AVX512F__)
             if (!portable) {
-                decode_item_avx512<Dt>(q + q_offset, key_cache + h * head_dim, value_cache + h * head_dim, table, len,
-                                       out + q_offset, item_heads, group, head_dim, block_size, token_stride,
-                                       block_stride, scale, scores.data());
+                fast(q + q_offset, key_cache + h * head_dim, value_cache + h * head_dim, table, len, out + q_offset,
+                     item_heads, group, block_size, token_stride, block_stride, scale, scores.data());
                 continue;
             }
 #endif

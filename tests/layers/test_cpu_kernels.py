@@ -128,7 +128,9 @@ SHAPES = [
     pytest.param(8, 2, 128, 1, id="g4-d128-b1"),
     pytest.param(6, 2, 40, 16, id="g3-d40-b16"),  # head_dim % 16 != 0: portable loops even when asked for AVX-512
     pytest.param(32, 2, 64, 16, id="g16-d64-b16"),  # the largest group the kernel takes
-    pytest.param(72, 8, 32, 16, id="g9-h72-d32-b16"),  # more heads than one whole-sequence item may hold
+    pytest.param(72, 8, 32, 16, id="g9-h72-d32-b16"),  # many heads in one whole-sequence item
+    pytest.param(4, 1, 48, 16, id="g4-d48-b16"),  # an odd number of 16-lane vectors: bf16 takes float32 FMAs
+    pytest.param(2, 1, 256, 8, id="g2-d256-b8"),  # the largest head_dim, one row per register block
 ]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]

@@ -7,7 +7,9 @@
 // (same soname), so the kernel shares PyTorch's thread pool instead of fighting it.
 //
 // Layouts (all contiguous, row-major):
-//   q, out        [num_seqs, num_heads, head_dim]
+//   q             [num_seqs, num_heads, head_dim], rows `q_stride` elements apart (a view into a
+//                 fused QKV output works as it is)
+//   out           [num_seqs, num_heads, head_dim]
 //   key_cache     [num_blocks, block_size, num_kv_heads, head_dim]   (value_cache alike)
 //   block_tables  [num_seqs, block_table_stride] int64
 //   seq_lens      [num_seqs] int64: tokens in each sequence's context, the new one included
@@ -249,7 +251,7 @@ DecodeItemFn<Dt> decode_item_for(int64_t nv) {
 #endif
 
 template <typename Dt>
-void decode(const typename Dt::T* q, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
+void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
             const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
             typename Dt::T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
             int64_t block_size, float scale, bool portable) {
@@ -277,17 +279,18 @@ void decode(const typename Dt::T* q, const typename Dt::T* key_cache, const type
             const int64_t s = item / items_per_seq, h = (item % items_per_seq) * item_heads;
             const int64_t len = seq_lens[s];
             scores.resize(static_cast<size_t>(group * len));
-            const int64_t q_offset = (s * num_heads + h * group) * head_dim;
+            const int64_t q_offset = s * q_stride + h * group * head_dim;
+            const int64_t out_offset = (s * num_heads + h * group) * head_dim;
             const int64_t* table = block_tables + s * block_table_stride;
 #if defined(__AVX512F__)
             if (!portable) {
-                fast(q + q_offset, key_cache + h * head_dim, value_cache + h * head_dim, table, len, out + q_offset,
+                fast(q + q_offset, key_cache + h * head_dim, value_cache + h * head_dim, table, len, out + out_offset,
                      item_heads, group, block_size, token_stride, block_stride, scale, scores.data());
                 continue;
             }
 #endif
             decode_item_portable<Dt>(q + q_offset, key_cache + h * head_dim, value_cache + h * head_dim, table, len,
-                                     out + q_offset, group, head_dim, block_size, token_stride, block_stride, scale,
+                                     out + out_offset, group, head_dim, block_size, token_stride, block_stride, scale,
                                      scores.data());
         }
     }
@@ -316,17 +319,17 @@ int kvflow_max_group() { return kMaxGroup; }
 int kvflow_max_head_dim() { return kMaxHeadDim; }
 
 // dtype: 0 = float32, 1 = bfloat16. portable != 0 forces the portable loops (for tests).
-int kvflow_paged_decode_attention(int dtype, const void* q, const void* key_cache, const void* value_cache,
+int kvflow_paged_decode_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache, const void* value_cache,
                                   const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                                   void* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_dim, int64_t block_size, float scale, int portable) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxGroup || head_dim > kMaxHeadDim) return -1;
     if (dtype == 0) {
-        decode<F32>(static_cast<const float*>(q), static_cast<const float*>(key_cache),
+        decode<F32>(static_cast<const float*>(q), q_stride, static_cast<const float*>(key_cache),
                     static_cast<const float*>(value_cache), block_tables, block_table_stride, seq_lens,
                     static_cast<float*>(out), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, portable != 0);
     } else if (dtype == 1) {
-        decode<BF16>(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(key_cache),
+        decode<BF16>(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(key_cache),
                      static_cast<const uint16_t*>(value_cache), block_tables, block_table_stride, seq_lens,
                      static_cast<uint16_t*>(out), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, portable != 0);
     } else {

@@ -133,7 +133,9 @@ class CPUAttentionBackend(AttentionBackend):
         kernels = self.kernels
         if kernels is not None and kernels.supports(q.dtype, q.shape[1], key_cache.shape[2], q.shape[2]):
             tables = meta.block_tables[: q.shape[0]]
-            return kernels.paged_decode_attention(q.contiguous(), key_cache, value_cache, tables, meta.decode_seq_lens, scale)
+            if not cpu_kernels.heads_contiguous(q):
+                q = q.contiguous()
+            return kernels.paged_decode_attention(q, key_cache, value_cache, tables, meta.decode_seq_lens, scale)
         return self._decode_torch(q, key_cache, value_cache, meta, scale)
 
     @staticmethod

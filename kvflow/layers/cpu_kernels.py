@@ -95,7 +95,7 @@ class CPUKernels:
         self.path = path
         fn = self.lib.kvflow_paged_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
         self.lib.kvflow_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64]
@@ -149,7 +149,7 @@ class CPUKernels:
 
     def paged_decode_attention(
         self,
-        q: torch.Tensor,  # [num_seqs, num_heads, head_dim], contiguous
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim], heads contiguous (rows may be strided)
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [num_seqs, >= max blocks] int64, contiguous
@@ -160,7 +160,9 @@ class CPUKernels:
         """`portable` forces the plain C++ loops instead of the AVX-512 path (tests check both)."""
         num_seqs, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-        for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache),
+        if not heads_contiguous(q):
+            raise ValueError("paged_decode_attention: q needs contiguous heads (rows may be strided)")
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
                         ("block_tables", block_tables), ("seq_lens", seq_lens)):
             if not t.is_contiguous():
                 raise ValueError(f"paged_decode_attention: {name} must be contiguous")
@@ -170,9 +172,9 @@ class CPUKernels:
             raise ValueError(f"paged_decode_attention: q and the cache must share one of {list(_DTYPE_CODES)}")
         # Block ids and lengths are trusted (they come from the block manager): the kernel
         # reads exactly seq_lens[i] slots through each table row.
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         rc = self._decode(
-            _DTYPE_CODES[q.dtype], q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, int(portable),
         )

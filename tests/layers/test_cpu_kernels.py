@@ -187,12 +187,25 @@ def test_paged_decode_attention_is_batch_invariant(kernels, dtype, portable):
         assert torch.equal(alone[0], batched[s]), f"sequence {s} differs alone vs batched"
 
 
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_takes_row_strided_q(kernels, dtype, portable):
+    """q as a view into a fused QKV output (rows wider than the heads) reads the right rows."""
+    q, kc, vc, tables, seq_lens = make_paged_case([5, 40, 17], 8, 2, 64, 16, dtype, seed=3)
+    wide = torch.full((q.shape[0], q.shape[1] * q.shape[2] + 96), float("nan"), dtype=dtype)
+    wide[:, : q.shape[1] * q.shape[2]] = q.reshape(q.shape[0], -1)
+    view = wide[:, : q.shape[1] * q.shape[2]].view(q.shape)
+    assert not view.is_contiguous()
+    out = kernels.paged_decode_attention(view, kc, vc, tables, seq_lens, 0.125, portable=portable)
+    assert torch.equal(out, kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, portable=portable))
+
+
 def test_paged_decode_attention_rejects_bad_inputs(kernels):
     q, kc, vc, tables, seq_lens = make_paged_case([5, 9], 4, 2, 64, 4, torch.float32)
     with pytest.raises(ValueError, match="unsupported shape"):  # group beyond the kernel's maximum
         big_q = torch.randn(2, 2 * (kernels.max_group + 1), 64)
         kernels.paged_decode_attention(big_q, kc, vc, tables, seq_lens, 0.125)
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous heads"):
         kernels.paged_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, tables, seq_lens, 0.125)
     with pytest.raises(ValueError, match="int64"):
         kernels.paged_decode_attention(q, kc, vc, tables.int(), seq_lens, 0.125)

@@ -28,20 +28,22 @@ class Linear(nn.Linear):
     """`nn.Linear` that runs on its packed weight once `pack()` has made one."""
 
     packed_weight: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None  # the bias in the packed GEMM's dtype (kvflow-bf16)
     packing: str = "plain"  # "kvflow-bf16" | "onednn" | "plain"
 
     def pack(self) -> None:
-        self.packed_weight, self.packing = None, "plain"
+        self.packed_weight, self.packed_bias, self.packing = None, None, "plain"
         weight = self.weight.detach()
         if os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0" or weight.device.type != "cpu":
             return
         kernels = cpu_kernels.load()
         if weight.dtype == torch.bfloat16 and kernels is not None and kernels.has_gemm_bf16 and weight.shape[1] % 2 == 0:
             self.packed_weight, self.packing = kernels.pack_bf16_weight(weight), "kvflow-bf16"
-            bias = None if self.bias is None else self.bias.detach().to(torch.bfloat16).contiguous()
+            if self.bias is not None:
+                self.packed_bias = self.bias.detach().to(torch.bfloat16).contiguous()
             # Everything but x is fixed from here on: bind it once, so a call costs one ctypes hop.
             self._gemm = functools.partial(kernels.gemm_bf16_prevalidated, packed=self.packed_weight,
-                                           n=self.out_features, bias=bias)
+                                           n=self.out_features, bias=self.packed_bias)
             return
         onednn_ok = torch.backends.mkldnn.is_available() and (
             weight.dtype == torch.float32

@@ -90,6 +90,8 @@ def load_model(
     model.to(dtype)  # also casts the rotary tables once
     model.eval()
     pack_linear_weights(model)
+    if hasattr(model, "fuse_stack"):
+        model.fuse_stack()
     return model
 
 

@@ -24,6 +24,7 @@ from kvflow.layers.attention import Attention, AttentionBackend, AttentionMetada
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.llama_fused import FusedLlamaStack
 
 
 class LlamaAttention(nn.Module):
@@ -103,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor; loaded under the embedding's name
+        self.fused_stack = None  # see fuse_stack()
 
     def forward(
         self,
@@ -111,10 +113,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x = self.embed_tokens(input_ids)
+        if self.fused_stack is not None:
+            hidden = self.fused_stack(x, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def fuse_stack(self) -> bool:
+        """After the weights are packed: run the decoder stack as one C++ call where every op
+        has a kernel (`llama_fused`); the modules stay the path for everything else."""
+        self.fused_stack = FusedLlamaStack.build(self)
+        return self.fused_stack is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows that are sampled."""

@@ -1,0 +1,141 @@
+"""The Llama decoder stack in one C++ call: bf16 on CPUs with AVX512-BF16.
+
+`LlamaForCausalLM`'s modules run kvflow's CPU kernels one op at a time. At a decode step
+each op is microseconds of work behind microseconds of Python (module calls, views,
+allocations, ctypes): about 4 ms a step for SmolLM2's 30 layers, a third of a batch-1
+step. `FusedLlamaStack` hands the same kernels, in the same order, to
+`kvflow_llama_forward_bf16` (csrc/llama_forward.cpp) once per step, so its output is bit
+for bit the modules' (tests/models/test_llama_fused.py compares them).
+
+It is built once after the weights are packed, and only where every op has its kernel:
+bf16 weights packed for kvflow's GEMM, no per-head q/k norm, and attention shapes the
+decode and prefill kernels take. Anything else (float32, other CPUs, KVFLOW_FUSED_STACK=0)
+keeps the module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvflow.layers import cpu_kernels
+from kvflow.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvflow.models.llama import LlamaForCausalLM
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):  # KvflowLlamaLayer
+    _fields_ = [(name, _ptr) for name in (
+        "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "key_cache", "value_cache")]
+
+
+class _Shape(ctypes.Structure):  # KvflowLlamaShape
+    _fields_ = [*((name, _i64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                             "intermediate", "block_size", "max_position")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr)]
+
+
+class _Step(ctypes.Structure):  # KvflowStep
+    _fields_ = [("tokens", _i64), ("num_seqs", _i64), ("num_decodes", _i64), ("positions", _ptr),
+                ("slot_mapping", _ptr), ("block_tables", _ptr), ("block_table_stride", _i64), ("seq_lens", _ptr),
+                ("query_start", _ptr)]
+
+
+def _int64_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors)
+
+
+class FusedLlamaStack:
+    def __init__(self, model: LlamaForCausalLM, kernels: cpu_kernels.CPUKernels) -> None:
+        cfg = model.config
+        attn = model.layers[0].self_attn
+        rotary = attn.rotary
+        self._fn = kernels.lib.kvflow_llama_forward_bf16
+        self._fn.argtypes = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr]
+        self._fn.restype = ctypes.c_int
+        # Every tensor whose address goes to C++ is held here, so it lives as long as the stack.
+        self._keep: list[torch.Tensor] = [rotary.cos_f32, rotary.sin_f32, model.norm.weight]
+        self.shape = _Shape(
+            num_layers=len(model.layers), hidden=cfg.hidden_size, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=cfg.intermediate_size,
+            block_size=0, max_position=rotary.cos_f32.shape[0], eps=model.norm.eps, scale=attn.attn.scale,
+            cos=rotary.cos_f32.data_ptr(), sin=rotary.sin_f32.data_ptr(), final_norm=model.norm.weight.data_ptr())
+        self.layers = (_Layer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            tensors = {"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.packed_weight,
+                       "qkv_bias": a.qkv_proj.packed_bias, "o_proj": a.o_proj.packed_weight,
+                       "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.packed_weight,
+                       "down": mlp.down_proj.packed_weight}
+            for name, t in tensors.items():
+                if t is not None:
+                    setattr(entry, name, t.data_ptr())
+                    self._keep.append(t)
+        self._caches: list[torch.Tensor] = []
+
+    @staticmethod
+    def build(model: LlamaForCausalLM) -> FusedLlamaStack | None:
+        """The fused stack when every op of this model has its bf16 kernel, else None."""
+        kernels = cpu_kernels.load()
+        if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm_bf16:
+            return None
+        cfg = model.config
+        attn = model.layers[0].self_attn
+        unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                                          layer.mlp.down_proj)]
+        linears = unbiased + [layer.self_attn.qkv_proj for layer in model.layers]
+        norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        fits = (
+            model.embed_tokens.weight.dtype == torch.bfloat16
+            and attn.q_norm is None
+            and all(m.packing == "kvflow-bf16" for m in linears)
+            and all(m.bias is None for m in unbiased)
+            and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in [*norms, model.norm])
+            and kernels.supports(torch.bfloat16, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            and kernels.supports_prefill(torch.bfloat16, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            and cfg.hidden_size % 2 == 0 and cfg.intermediate_size % 2 == 0
+        )
+        return FusedLlamaStack(model, kernels) if fits else None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """Final normed hidden states [T, hidden]; None when this step's tensors don't fit (the
+        caller then runs the modules). x (the embeddings) is used as scratch."""
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and _int64_ok(positions, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens_tensor, meta.query_start_tensor)):
+            return None
+        if not self._bind_caches(kv_caches, meta.block_size):
+            return None
+        tables = meta.block_tables
+        step = _Step(tokens=x.shape[0], num_seqs=meta.num_seqs, num_decodes=meta.num_decodes,
+                     positions=positions.data_ptr(), slot_mapping=meta.slot_mapping.data_ptr(),
+                     block_tables=tables.data_ptr(), block_table_stride=tables.stride(0),
+                     seq_lens=meta.seq_lens_tensor.data_ptr(), query_start=meta.query_start_tensor.data_ptr())
+        out = torch.empty_like(x)
+        rc = self._fn(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr())
+        if rc == -3:
+            raise IndexError(f"rotary: a position is outside the table's {self.shape.max_position} positions")
+        if rc != 0:
+            raise RuntimeError(f"fused Llama forward failed (code {rc})")
+        return out
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor], block_size: int) -> bool:
+        """Point each layer at its KV cache; the runner passes the same tensors every step."""
+        if len(kv_caches) == len(self._caches) and all(a is b for a, b in zip(kv_caches, self._caches)):
+            return True
+        expected = (2, block_size, self.shape.num_kv_heads, self.shape.head_dim)
+        if len(kv_caches) != len(self.layers) or not all(
+                c.dtype == torch.bfloat16 and c.is_contiguous() and (c.shape[0], *c.shape[2:]) == expected
+                for c in kv_caches):
+            return False
+        for entry, cache in zip(self.layers, kv_caches):
+            entry.key_cache, entry.value_cache = cache[0].data_ptr(), cache[1].data_ptr()
+        self._caches = list(kv_caches)
+        self.shape.block_size = block_size
+        return True

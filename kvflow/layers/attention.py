@@ -61,10 +61,12 @@ class AttentionBackend(ABC):
                           dtype: torch.dtype) -> torch.Tensor:
         """One layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
 
-        Left unwritten: every reader looks only at slots below each sequence's length (or
-        masks the rest, values included), so pages become resident only as blocks are used.
+        Zeroed, so the whole pool is resident from the start: the memory plan's figure is what
+        the process holds, and resident memory does not creep up run after run as the prefix
+        cache fills the pool. (No reader depends on the zeros: each looks only at slots below
+        a sequence's length, or masks the rest, values included.)
         """
-        return torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+        return torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
 
     @abstractmethod
     def forward(

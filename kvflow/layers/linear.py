@@ -9,7 +9,9 @@ product. `pack_linear_weights` packs each weight once, after the final dtype cas
   - otherwise oneDNN's prepacked weight (1.5-2x faster than `F.linear` at 1-32 rows; bf16
     results bit-identical to `F.linear`, float32 differing only in summation order);
   - the plain weight where neither applies (not the CPU, KVFLOW_PACKED_LINEAR=0).
-The plain weight stays the source of truth for loading and inspection.
+The plain weight is the source of truth for loading; once a whole model is packed,
+`pack_linear_weights` releases each plain weight no other module shares (the packed copy is
+all the forward pass reads), so the weights are held once, not twice.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Linear(nn.Linear):
     packing: str = "plain"  # "kvflow-bf16" | "onednn" | "plain"
 
     def pack(self) -> None:
+        if self.weight.device.type == "meta":
+            return  # packed already, and the plain weight released
         self.packed_weight, self.packed_bias, self.packing = None, None, "plain"
         weight = self.weight.detach()
         if os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0" or weight.device.type != "cpu":
@@ -68,11 +72,23 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+    def release_plain_weight(self) -> None:
+        """Keep only the packed weight (shape and dtype stay visible on a meta tensor)."""
+        if self.packing == "plain":
+            raise RuntimeError("release_plain_weight: this Linear has no packed weight to run on")
+        self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+
+
 def pack_linear_weights(model: nn.Module) -> dict[str, int]:
-    """Pack every `Linear` of a loaded model; returns how many took each packing."""
+    """Pack every `Linear` of a loaded model and release the plain weights that nothing else
+    uses (a tied LM head's weight is the embedding table, which stays); returns how many
+    Linears took each packing."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack()
+            if module.packing != "plain" and id(module.weight) not in shared and module.weight.device.type != "meta":
+                module.release_plain_weight()
             counts[module.packing] = counts.get(module.packing, 0) + 1
     return counts

@@ -148,6 +148,27 @@ def test_pack_linear_weights_counts(monkeypatch, dtype):
     assert pack_linear_weights(nn.Sequential(nn.Linear(4, 4))) == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_linear_weights_holds_each_weight_once(dtype):
+    """Packed Linears drop their plain weight, unless another module shares it (a tied LM head
+    is the embedding table); outputs are unchanged and packing again is a no-op."""
+    if expected_packing(dtype) == "plain":
+        pytest.skip("no packed path for this dtype on this machine")
+    torch.manual_seed(0)
+    embed, proj, head = nn.Embedding(50, 32), Linear(32, 32), Linear(32, 50, bias=False)
+    head.weight = embed.weight  # tied
+    m = nn.ModuleDict({"embed": embed, "proj": proj, "head": head}).to(dtype)
+    ids = torch.tensor([3, 7, 49])
+    with torch.no_grad():
+        proj.pack(), head.pack()  # packed but still holding the plain weights
+        before = head(proj(embed(ids)))
+        pack_linear_weights(m)
+        assert proj.weight.device.type == "meta" and proj.weight.shape == (32, 32) and proj.weight.dtype == dtype
+        assert head.weight is embed.weight and embed.weight.device.type == "cpu"
+        assert pack_linear_weights(m) == {expected_packing(dtype): 2}
+        assert torch.equal(head(proj(embed(ids))), before)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_bf16_without_kvflow_gemm_falls_back_to_onednn(monkeypatch, bias):
     """No kernels (no compiler, KVFLOW_CPU_KERNELS=0): bf16 takes oneDNN's prepacked weight, whose

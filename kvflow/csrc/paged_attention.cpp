@@ -135,24 +135,30 @@ struct QKDot {
     }
 };
 
-// scores[g, t] = scale * q[g] . k[t] for the `group` query rows of one KV head, 16 keys at a
-// time with the 16 horizontal sums done as one transpose-add.
+// scores[r, t] = scale * q[r] . k[t] for the item's rows (its KV heads x group), 16 keys at a
+// time with the 16 horizontal sums done as one transpose-add. All heads of a key row are
+// used before moving on, so each block of the pool is read once, front to back: blocks sit
+// anywhere in the pool, and a pass per head (three jumps per block instead of one) measured
+// 1.4x slower on a shuffled block table.
 template <typename Dt, int NV>
-void head_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const int64_t* table, int64_t len,
-                 int64_t group, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
-                 float* scores) {
+void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const int64_t* table, int64_t len,
+                 int64_t num_item_heads, int64_t group, int64_t block_size, int64_t token_stride,
+                 int64_t block_stride, float scale, float* scores) {
     using T = typename Dt::T;
+    constexpr int64_t head_dim = NV * 16;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, len - t0);
         const T* krows[16];
         key_rows16(key_cache, table, t0, count, block_size, token_stride, block_stride, krows);
         const __mmask16 valid = kvflow::tail_mask(count);
-        for (int64_t g = 0; g < group; ++g) {
-            const QKDot<Dt, NV> dot(q + g * NV * 16);
-            __m512 acc[16];
-            for (int i = 0; i < 16; ++i) acc[i] = dot(krows[i]);
-            _mm512_mask_storeu_ps(scores + g * len + t0, valid, _mm512_mul_ps(kvflow::sum_lanes16(acc), vscale));
+        for (int64_t h = 0; h < num_item_heads; ++h) {
+            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+                const QKDot<Dt, NV> dot(q + r * head_dim);
+                __m512 acc[16];
+                for (int i = 0; i < 16; ++i) acc[i] = dot(krows[i] + h * head_dim);
+                _mm512_mask_storeu_ps(scores + r * len + t0, valid, _mm512_mul_ps(kvflow::sum_lanes16(acc), vscale));
+            }
         }
     }
 }
@@ -173,67 +179,68 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_su
     }
 }
 
-// out[r] = inv_sum[r] * sum_t p[r, t] V[t] for R query rows of one KV head, all R x NV
-// accumulators in registers, float32 throughout.
+// acc[r] += sum over tokens [t_begin, t_end) of p[r, t] V[t], for R query rows of one KV head:
+// the R x NV accumulators live in registers for the block and in `acc` (float32, in L1)
+// between blocks. vrow: the head's V row of token t_begin.
 template <typename Dt, int NV, int R>
-void head_pv_rows(const float* p, int64_t len, const typename Dt::T* value_cache, const int64_t* table,
-                  int64_t block_size, int64_t token_stride, int64_t block_stride, const float* inv_sum,
-                  typename Dt::T* out) {
-    using T = typename Dt::T;
-    __m512 acc[R][NV];
+void pv_block_rows(const float* p, int64_t len, const typename Dt::T* vrow, int64_t t_begin, int64_t t_end,
+                   int64_t token_stride, float* acc) {
+    __m512 a[R][NV];
     for (int r = 0; r < R; ++r)
-        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
-    const int64_t num_blocks = (len + block_size - 1) / block_size;
-    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-        const T* vrow = value_cache + table[b] * block_stride;
-        for (const int64_t end = std::min(len, t + block_size); t < end; ++t, vrow += token_stride) {
-            __m512 vv[NV];
-            for (int j = 0; j < NV; ++j) vv[j] = load16(vrow + j * 16);
-            for (int r = 0; r < R; ++r) {
-                const __m512 pr = _mm512_set1_ps(p[r * len + t]);
-                for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(pr, vv[j], acc[r][j]);
-            }
+        for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + (r * NV + j) * 16);
+    for (int64_t t = t_begin; t < t_end; ++t, vrow += token_stride) {
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = load16(vrow + j * 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512 pr = _mm512_set1_ps(p[r * len + t]);
+            for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(pr, vv[j], a[r][j]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        alignas(64) float row[NV * 16];
-        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-        for (int j = 0; j < NV; ++j) _mm512_store_ps(row + j * 16, _mm512_mul_ps(acc[r][j], inv));
-        for (int d = 0; d < NV * 16; ++d) out[r * NV * 16 + d] = Dt::store(row[d]);
-    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (r * NV + j) * 16, a[r][j]);
 }
 
-// As many rows per pass over V as the registers hold (R x NV accumulators plus one V row).
+// As many rows per pass over a block as the registers hold (R x NV accumulators plus one V row).
 template <int NV>
 constexpr int kPVRows = std::max(1, std::min(8, (28 - NV) / NV));
 
 template <typename Dt, int NV, int R = kPVRows<NV>>
-void head_pv(const float* p, int64_t rows, int64_t len, const typename Dt::T* value_cache, const int64_t* table,
-             int64_t block_size, int64_t token_stride, int64_t block_stride, const float* inv_sum,
-             typename Dt::T* out) {
+void pv_block(const float* p, int64_t rows, int64_t len, const typename Dt::T* vrow, int64_t t_begin, int64_t t_end,
+              int64_t token_stride, float* acc) {
     if constexpr (R > 0) {
-        for (; rows >= R; rows -= R, p += R * len, inv_sum += R, out += R * NV * 16)
-            head_pv_rows<Dt, NV, R>(p, len, value_cache, table, block_size, token_stride, block_stride, inv_sum, out);
+        for (; rows >= R; rows -= R, p += R * len, acc += R * NV * 16)
+            pv_block_rows<Dt, NV, R>(p, len, vrow, t_begin, t_end, token_stride, acc);
         if (rows > 0)  // fewer left than a full pass: the next smaller register block
-            head_pv<Dt, NV, R - 1>(p, rows, len, value_cache, table, block_size, token_stride, block_stride, inv_sum, out);
+            pv_block<Dt, NV, R - 1>(p, rows, len, vrow, t_begin, t_end, token_stride, acc);
     }
 }
 
-// One sequence's query rows for `num_item_heads` adjacent KV heads, one head at a time.
+// One sequence's query rows for `num_item_heads` adjacent KV heads. work: rows x (head_dim + 1)
+// floats of scratch (the output accumulators and each row's 1 / sum).
 template <typename Dt, int NV>
 void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
                         const int64_t* table, int64_t len, typename Dt::T* out, int64_t num_item_heads, int64_t group,
-                        int64_t block_size, int64_t token_stride, int64_t block_stride, float scale, float* scores) {
+                        int64_t block_size, int64_t token_stride, int64_t block_stride, float scale, float* scores,
+                        float* work) {
+    using T = typename Dt::T;
     constexpr int64_t head_dim = NV * 16;
-    float inv_sum[kMaxGroup];
-    for (int64_t h = 0; h < num_item_heads; ++h) {
-        const int64_t row0 = h * group * head_dim;
-        head_scores<Dt, NV>(q + row0, key_cache + h * head_dim, table, len, group, block_size, token_stride,
-                            block_stride, scale, scores);
-        softmax_rows(scores, group, len, inv_sum);
-        head_pv<Dt, NV>(scores, group, len, value_cache + h * head_dim, table, block_size, token_stride, block_stride,
-                        inv_sum, out + row0);
+    const int64_t rows = num_item_heads * group;
+    float* acc = work;
+    float* inv_sum = work + rows * head_dim;
+    item_scores<Dt, NV>(q, key_cache, table, len, num_item_heads, group, block_size, token_stride, block_stride, scale,
+                        scores);
+    softmax_rows(scores, rows, len, inv_sum);
+    std::fill(acc, acc + rows * head_dim, 0.f);
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+        const T* vblock = value_cache + table[b] * block_stride;
+        const int64_t t_begin = b * block_size, t_end = std::min(len, t_begin + block_size);
+        for (int64_t h = 0; h < num_item_heads; ++h)
+            pv_block<Dt, NV>(scores + h * group * len, group, len, vblock + h * head_dim, t_begin, t_end, token_stride,
+                             acc + h * group * head_dim);
     }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < head_dim; ++d) out[r * head_dim + d] = Dt::store(acc[r * head_dim + d] * inv_sum[r]);
 }
 
 template <typename Dt>
@@ -273,19 +280,20 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
 
 #pragma omp parallel
     {
-        std::vector<float> scores;  // [group, seq_len], reused across this thread's items and heads
+        std::vector<float> scores;  // [item rows, seq_len], reused across this thread's items
+        std::vector<float> work(static_cast<size_t>(item_heads * group * (head_dim + 1)));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             const int64_t s = item / items_per_seq, h = (item % items_per_seq) * item_heads;
             const int64_t len = seq_lens[s];
-            scores.resize(static_cast<size_t>(group * len));
+            scores.resize(static_cast<size_t>(item_heads * group * len));
             const int64_t q_offset = s * q_stride + h * group * head_dim;
             const int64_t out_offset = (s * num_heads + h * group) * head_dim;
             const int64_t* table = block_tables + s * block_table_stride;
 #if defined(__AVX512F__)
             if (!portable) {
                 fast(q + q_offset, key_cache + h * head_dim, value_cache + h * head_dim, table, len, out + out_offset,
-                     item_heads, group, block_size, token_stride, block_stride, scale, scores.data());
+                     item_heads, group, block_size, token_stride, block_stride, scale, scores.data(), work.data());
                 continue;
             }
 #endif

@@ -82,7 +82,7 @@ def build_step(head_dim: int, dtype: torch.dtype, seed: int = 0):
 
 def fresh_cache(backend: CPUAttentionBackend, head_dim: int, dtype: torch.dtype, context, poison: bool):
     """The backend's own allocation with the cached context written in; `poison` fills every
-    other slot with NaN (what an unwritten `torch.empty` pool may hold)."""
+    other slot with NaN (stale K/V of freed blocks: readers must never look past a length)."""
     kv_cache = backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype)
     assert kv_cache.shape == (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim) and kv_cache.dtype == dtype
     if poison:
@@ -185,3 +185,35 @@ def test_torch_fallback_never_reads_unwritten_slots():
     backend = CPUAttentionBackend(use_kernels=True)
     out = backend.forward(q, k, v, fresh_cache(backend, head_dim, dtype, context, poison=True), meta, 0.125)
     assert not torch.isnan(out[: meta.num_decodes]).any()
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _huge_kib_under(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mappings under a tensor's memory, from /proc/self/smaps."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    inside, total = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > start
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+def test_kv_cache_is_zeroed_and_on_huge_pages():
+    """The pool is resident and zero from the start, and asks Linux for 2 MiB pages."""
+    if _thp_mode() not in ("always", "madvise"):
+        pytest.skip("transparent huge pages are off on this machine (a kernel setting, not kvflow's)")
+    cache = CPUAttentionBackend().allocate_kv_cache(1024, 16, 4, 64, torch.bfloat16)  # 16 MiB
+    assert not cache.any()
+    assert _huge_kib_under(cache) >= 4096

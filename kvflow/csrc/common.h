@@ -89,6 +89,11 @@ inline float row_max(const float* row, int64_t len) {
     return _mm512_reduce_max_ps(mx);
 }
 
+// The first `left` of 16 lanes (all 16 when left >= 16).
+inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

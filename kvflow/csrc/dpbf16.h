@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -57,10 +59,6 @@ inline void dpbf16_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const
         case 8: dpbf16_block<8, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
         default: break;
     }
-}
-
-inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
 }  // namespace kvflow

@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include "dpbf16.h"
+#include "kernels.h"
 
 extern "C" {
 

@@ -3,10 +3,10 @@
 //
 // Built by kvflow/layers/cpu_kernels.py with the machine's compiler (-O3 -march=native
 // -fopenmp) and called through ctypes with raw pointers, so it needs no PyTorch headers
-// and compiles in about a second. OpenMP resolves to the libgomp PyTorch already loaded
+// and compiles in a few seconds. OpenMP resolves to the libgomp PyTorch already loaded
 // (same soname), so the kernel shares PyTorch's thread pool instead of fighting it.
 //
-// Layouts (all contiguous, row-major):
+// Layouts (row-major; contiguous unless said):
 //   q             [num_seqs, num_heads, head_dim], rows `q_stride` elements apart (a view into a
 //                 fused QKV output works as it is)
 //   out           [num_seqs, num_heads, head_dim]
@@ -27,6 +27,7 @@
 
 #include "common.h"
 #include "dpbf16.h"
+#include "kernels.h"
 
 namespace {
 

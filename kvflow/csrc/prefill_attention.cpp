@@ -22,6 +22,7 @@
 
 #include "common.h"
 #include "dpbf16.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__)
 namespace {

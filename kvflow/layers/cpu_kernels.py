@@ -1,7 +1,7 @@
 """kvflow's own CPU kernels (kvflow/csrc), compiled with the machine's compiler on first use.
 
-The kernels are plain C++ with OpenMP and no PyTorch headers, so a build takes about a
-second, and they are called through ctypes with raw data pointers. The shared library is
+The kernels are plain C++ with OpenMP and no PyTorch headers, so a build takes about ten
+seconds, and they are called through ctypes with raw data pointers. The shared library is
 cached by a hash of its source, flags and compiler; `make` builds it at install time
 (`python -m kvflow.layers.cpu_kernels`). Without a compiler, or with KVFLOW_CPU_KERNELS=0,
 `load()` returns None and callers use their PyTorch path: slower, never different in meaning.

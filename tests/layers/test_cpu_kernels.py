@@ -14,6 +14,7 @@ Guards:
 from __future__ import annotations
 
 import math
+import subprocess
 
 import pytest
 import torch
@@ -330,3 +331,16 @@ def test_gemm_bf16_non_contiguous_bias(gemm):
     bias = bf16_randn(80)[::2]
     y = gemm.gemm_bf16(x, gemm.pack_bf16_weight(w), 40, bias)
     assert_bf16_close(y, reference_linear(x, w, bias))
+
+
+@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512", "sapphirerapids"])
+def test_kernel_sources_compile_for_other_cpus(march):
+    """`make` compiles for the machine it runs on (-march=native), so this machine's build says
+    nothing about others: each source must also compile for a CPU without AVX-512, one with
+    AVX-512 but no AVX512-BF16, and one with both (a failure there disables every kernel)."""
+    cxx = cpu_kernels._compiler()
+    assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
+    for source in cpu_kernels._SOURCES:
+        result = subprocess.run([cxx, "-std=c++17", "-fopenmp", f"-march={march}", "-fsyntax-only", str(source)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{source.name} for -march={march}:\n{result.stderr[-2000:]}"

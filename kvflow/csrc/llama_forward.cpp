@@ -6,6 +6,9 @@
 // identical sequence of kernels from C++, so the result is bit for bit the modules' result
 // (the tests compare them) and the per-step overhead is one call.
 //
+// Keep the two in step: a change to LlamaDecoderLayer.forward's order of ops is a change here
+// (tests/models/test_llama_fused.py fails otherwise).
+//
 // Per layer, on T tokens (rows) of the flat batch:
 //   h   = rmsnorm(residual += x)              (layer 0: residual = x, h = rmsnorm(x))
 //   qkv = h @ Wqkv^T (+ bias)                 q/k rotated in place, k/v written to the paged cache
@@ -16,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <new>
 
 #include "kernels.h"
 
@@ -72,7 +76,8 @@ int kvflow_llama_forward_bf16(const KvflowLlamaShape* shape, const KvflowLlamaLa
     if (T <= 0) return 0;
     // Scratch for one layer's intermediates, reused by every layer (not zeroed: all written before read).
     const int64_t widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
-    std::unique_ptr<uint16_t[]> scratch(new uint16_t[static_cast<size_t>(T * (2 * H + widest + q_size + inter))]);
+    std::unique_ptr<uint16_t[]> scratch(new (std::nothrow) uint16_t[static_cast<size_t>(T * (2 * H + widest + q_size + inter))]);
+    if (!scratch) return -4;  // no exception may cross into ctypes
     uint16_t* h = scratch.get();          // [T, H] normed input of a sublayer
     uint16_t* y = h + T * H;              // [T, H] a sublayer's output
     uint16_t* wide = y + T * H;           // [T, qkv_size] or [T, 2 * inter]

@@ -208,7 +208,7 @@ class CPUKernels:
         for name, t in (("block_tables", block_tables), ("query_start", query_start), ("seq_lens", seq_lens)):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"paged_prefill_attention: {name} must be contiguous int64")
-        _check(self.lib.kvflow_paged_prefill_attention_bf16(
+        check_rc(self.lib.kvflow_paged_prefill_attention_bf16(
             q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
             seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale), "paged_prefill_attention")
@@ -257,7 +257,7 @@ class CPUKernels:
         hidden = x.shape[-1]
         out = torch.empty_like(x)
         res_ptr = None if residual is None else residual.data_ptr()
-        _check(self.lib.kvflow_add_rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), res_ptr, weight.data_ptr(),
+        check_rc(self.lib.kvflow_add_rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), res_ptr, weight.data_ptr(),
                                             out.data_ptr(), x.numel() // hidden, hidden, eps), "add_rms_norm")
         return out
 
@@ -265,7 +265,7 @@ class CPUKernels:
         """[..., 2 * inter] -> [..., inter]: silu(gate) * up."""
         inter = gate_up.shape[-1] // 2
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
-        _check(self.lib.kvflow_silu_and_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+        check_rc(self.lib.kvflow_silu_and_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                                             gate_up.numel() // (2 * inter), inter), "silu_and_mul")
         return out
 
@@ -287,14 +287,24 @@ class CPUKernels:
         rc = self.lib.kvflow_rotary(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q_heads, k.data_ptr(),
                                     k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     tokens, head_dim, cos.shape[0])
-        if rc == -3:
-            raise IndexError(f"rotary_: a position is outside the table's {cos.shape[0]} positions")
-        _check(rc, "rotary")
+        check_rc(rc, "rotary_", max_position=cos.shape[0])
 
 
-def _check(rc: int, name: str) -> None:
-    if rc != 0:
-        raise ValueError(f"{name}: unsupported input (code {rc})")
+POSITION_OUT_OF_RANGE = -3  # kvflow_rotary (and the fused stack through it)
+OUT_OF_MEMORY = -4  # the fused stack's scratch allocation
+
+
+def check_rc(rc: int, name: str, max_position: int | None = None) -> None:
+    """A kernel's return code as the Python error it stands for."""
+    if rc == 0:
+        return
+    if rc == POSITION_OUT_OF_RANGE:
+        raise IndexError(f"{name}: a position is outside the rotary table's {max_position} positions")
+    if rc == OUT_OF_MEMORY:
+        raise MemoryError(f"{name}: no memory for the step's scratch buffers")
+    raise ValueError(f"{name}: unsupported input (code {rc})")
+
+
 
 
 def heads_contiguous(x: torch.Tensor) -> bool:

@@ -8,25 +8,31 @@ step. `FusedLlamaStack` hands the same kernels, in the same order, to
 for bit the modules' (tests/models/test_llama_fused.py compares them).
 
 It is built once after the weights are packed, and only where every op has its kernel:
-bf16 weights packed for kvflow's GEMM, no per-head q/k norm, and attention shapes the
-decode and prefill kernels take. Anything else (float32, other CPUs, KVFLOW_FUSED_STACK=0)
-keeps the module path.
+bf16 weights packed for kvflow's GEMM, no per-head q/k norm, the CPU attention backend with
+its kernels, and attention shapes the decode and prefill kernels take. Anything else
+(float32, other CPUs, KVFLOW_FUSED_STACK=0) keeps the module path, and so does a step whose
+tensors don't fit (logged once): `steps_run` / `steps_declined` count both.
+
+The order of ops mirrors `LlamaDecoderLayer.forward`; `build` must refuse any model feature
+the C++ does not implement (it lists them: q/k norm, biases outside QKV).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvflow.layers import cpu_kernels
-from kvflow.layers.attention import AttentionMetadata
+from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 
 if TYPE_CHECKING:
     from kvflow.models.llama import LlamaForCausalLM
 
+logger = logging.getLogger("kvflow")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -78,6 +84,8 @@ class FusedLlamaStack:
                     setattr(entry, name, t.data_ptr())
                     self._keep.append(t)
         self._caches: list[torch.Tensor] = []
+        self.steps_run = 0
+        self.steps_declined = 0
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedLlamaStack | None:
@@ -91,8 +99,10 @@ class FusedLlamaStack:
                                                           layer.mlp.down_proj)]
         linears = unbiased + [layer.self_attn.qkv_proj for layer in model.layers]
         norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        backends = [layer.self_attn.attn.backend for layer in model.layers]
         fits = (
             model.embed_tokens.weight.dtype == torch.bfloat16
+            and all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
             and attn.q_norm is None
             and all(m.packing == "kvflow-bf16" for m in linears)
             and all(m.bias is None for m in unbiased)
@@ -107,10 +117,12 @@ class FusedLlamaStack:
                  meta: AttentionMetadata) -> torch.Tensor | None:
         """Final normed hidden states [T, hidden]; None when this step's tensors don't fit (the
         caller then runs the modules). x (the embeddings) is used as scratch."""
-        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and _int64_ok(positions, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens_tensor, meta.query_start_tensor)):
-            return None
-        if not self._bind_caches(kv_caches, meta.block_size):
+        reason = self._unfit(x, positions, meta) or (None if self._bind_caches(kv_caches, meta.block_size)
+                                                     else "KV caches of another shape or dtype")
+        if reason is not None:
+            if self.steps_declined == 0:
+                logger.warning("fused Llama stack: step runs on the modules instead (%s)", reason)
+            self.steps_declined += 1
             return None
         tables = meta.block_tables
         step = _Step(tokens=x.shape[0], num_seqs=meta.num_seqs, num_decodes=meta.num_decodes,
@@ -119,11 +131,24 @@ class FusedLlamaStack:
                      seq_lens=meta.seq_lens_tensor.data_ptr(), query_start=meta.query_start_tensor.data_ptr())
         out = torch.empty_like(x)
         rc = self._fn(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr())
-        if rc == -3:
-            raise IndexError(f"rotary: a position is outside the table's {self.shape.max_position} positions")
-        if rc != 0:
-            raise RuntimeError(f"fused Llama forward failed (code {rc})")
+        cpu_kernels.check_rc(rc, "fused Llama stack", max_position=self.shape.max_position)
+        self.steps_run += 1
         return out
+
+    def _unfit(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> str | None:
+        """Why the C++ cannot take this step as it is (it trusts every shape), or None."""
+        tokens, num_seqs, nd = x.shape[0], meta.num_seqs, meta.num_decodes
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
+            return "activations not contiguous bf16 rows of the hidden size"
+        if not _int64_ok(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
+                         meta.query_start_tensor):
+            return "metadata not contiguous int64"
+        if (positions.shape != (tokens,) or meta.slot_mapping.shape != (tokens,)
+                or meta.seq_lens_tensor.shape != (num_seqs,) or meta.query_start_tensor.shape != (num_seqs + 1,)
+                or meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs
+                or meta.query_start_loc[-1] != tokens or meta.query_start_loc[nd] != nd):
+            return "metadata shapes disagree with the batch"
+        return None
 
     def _bind_caches(self, kv_caches: list[torch.Tensor], block_size: int) -> bool:
         """Point each layer at its KV cache; the runner passes the same tensors every step."""

@@ -52,37 +52,93 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the QKV bias
-def test_fused_stack_equals_modules_bitwise(arch, tiny_models):
-    path, _ = tiny_models(arch)
+def _many_sequence_steps(num_seqs: int = 12, num_blocks: int = 60) -> list:
+    """Enough sequences that decode attention takes whole-sequence work items."""
+    rng = random.Random(5)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    tables = [blocks[4 * i: 4 * i + 4] for i in range(num_seqs)]
+    lens = [rng.randrange(3, 40) for _ in range(num_seqs)]
+    first = [(tables[i], 0, lens[i]) for i in range(num_seqs)]
+    mixed = [(tables[i], lens[i], 1) for i in range(num_seqs - 3)] + \
+            [(tables[i], lens[i], 7) for i in range(num_seqs - 3, num_seqs)]  # decodes, then chunks
+    grown = [n + (1 if i < num_seqs - 3 else 7) for i, n in enumerate(lens)]
+    decodes = [(tables[i], grown[i], 1) for i in range(num_seqs)]
+    return [(first, 0), (mixed, num_seqs - 3), (decodes, num_seqs)]
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_llama(tmp_path_factory) -> str:
+    """A tiny Llama whose heads are 64 wide, as SmolLM2's: q.k takes the AVX512-BF16 dot product."""
+    import transformers
+
+    torch.manual_seed(4321)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.08) if "norm" not in name else p.uniform_(0.8, 1.2)
+    path = tmp_path_factory.mktemp("tiny-llama-d64")
+    hf.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int) -> None:
     cfg, model = _model(path)
-    assert model.fused_stack is not None, "the fused stack should apply to this model"
     fused_stack = model.fused_stack
+    assert fused_stack is not None, "the fused stack should apply to this model"
     caches = {}
     for name in ("fused", "modules"):
-        caches[name] = [torch.full((2, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim), float("nan"),
+        caches[name] = [torch.full((2, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim), float("nan"),
                                    dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
     rng = random.Random(0)
     with torch.inference_mode():
-        for seqs, num_decodes in STEPS:
+        for i, (seqs, num_decodes) in enumerate(steps):
             positions, meta = _step(seqs, num_decodes)
             ids = torch.tensor([rng.randrange(cfg.vocab_size) for _ in range(positions.shape[0])])
             model.fused_stack = fused_stack
             fused = model(ids, positions, caches["fused"], meta)
+            assert fused_stack.steps_run == i + 1, "the step fell back to the modules"
             model.fused_stack = None
             modules = model(ids, positions, caches["modules"], meta)
             assert not fused.isnan().any()
-            assert torch.equal(fused, modules), f"step with {len(seqs)} sequences differs"
+            assert torch.equal(fused, modules), f"step {i} ({len(seqs)} sequences) differs"
             for a, b in zip(caches["fused"], caches["modules"]):
                 assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert fused_stack.steps_declined == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the QKV bias
+def test_fused_stack_equals_modules_bitwise(arch, tiny_models):
+    _assert_fused_equals_modules(tiny_models(arch)[0], STEPS, num_blocks=12)
+
+
+def test_fused_stack_equals_modules_bitwise_head_dim_64_many_sequences(head_dim_64_llama):
+    _assert_fused_equals_modules(head_dim_64_llama, _many_sequence_steps(), num_blocks=60)
+
+
+def test_fused_stack_declines_a_step_it_cannot_take(tiny_models):
+    """Metadata that disagrees with the batch runs on the modules (counted), never in C++."""
+    path, _ = tiny_models("llama")
+    cfg, model = _model(path)
+    caches = [torch.zeros((2, 12, BLOCK, cfg.num_key_value_heads, cfg.head_dim), dtype=torch.bfloat16)
+              for _ in range(cfg.num_hidden_layers)]
+    positions, meta = _step(*STEPS[0])
+    meta.slot_mapping = meta.slot_mapping[:-1]  # one slot short
+    with torch.inference_mode():
+        assert model.fused_stack(model.embed_tokens(torch.zeros(53, dtype=torch.int64)), positions, caches, meta) is None
+    assert model.fused_stack.steps_declined == 1 and model.fused_stack.steps_run == 0
 
 
 def test_fused_stack_needs_every_kernel(tiny_models, monkeypatch):
-    """qk-norm (Qwen3) and float32 keep the module path; KVFLOW_FUSED_STACK=0 turns it off."""
+    """qk-norm (Qwen3), float32 and an attention backend without kernels keep the module path;
+    KVFLOW_FUSED_STACK=0 turns it off."""
     assert _model(tiny_models("qwen3")[0])[1].fused_stack is None
     path = tiny_models("llama")[0]
     cfg = load_model_config(path)
     assert load_model(path, cfg, torch.float32, CPUAttentionBackend()).fused_stack is None
+    assert load_model(path, cfg, torch.bfloat16, CPUAttentionBackend(use_kernels=False)).fused_stack is None
     monkeypatch.setenv("KVFLOW_FUSED_STACK", "0")
     assert _model(path)[1].fused_stack is None
 
@@ -93,8 +149,9 @@ def test_fused_stack_rejects_positions_past_the_rotary_table(tiny_models):
     caches = [torch.zeros((2, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim), dtype=torch.bfloat16)]
     positions, meta = _step([([0], 0, 3)], 0)
     positions[1] = cfg.max_position_embeddings
-    with torch.inference_mode(), pytest.raises(IndexError, match="outside the table"):
-        model(torch.tensor([1, 2, 3]), positions, caches * cfg.num_hidden_layers, meta)
+    x = model.embed_tokens(torch.tensor([1, 2, 3]))
+    with torch.inference_mode(), pytest.raises(IndexError, match="fused Llama stack: .*outside the rotary table"):
+        model.fused_stack(x, positions, caches * cfg.num_hidden_layers, meta)
 
 
 def test_engine_output_is_the_same_fused_or_not(tiny_models, monkeypatch):
@@ -107,7 +164,10 @@ def test_engine_output_is_the_same_fused_or_not(tiny_models, monkeypatch):
     for flag in ("1", "0"):
         monkeypatch.setenv("KVFLOW_FUSED_STACK", flag)
         llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 22, max_num_batched_tokens=48)
-        assert (llm.engine.runner.model.fused_stack is not None) == (flag == "1")
+        stack = llm.engine.runner.model.fused_stack
+        assert (stack is not None) == (flag == "1")
         outs = llm.generate(prompts, params, use_tqdm=False)
+        if stack is not None:
+            assert stack.steps_run > 0 and stack.steps_declined == 0
         results[flag] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert results["1"] == results["0"]

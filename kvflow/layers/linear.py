@@ -65,10 +65,13 @@ class Linear(nn.Linear):
             if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features:
                 return self._gemm(x)
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return cpu_kernels.load().gemm_bf16(rows, self.packed_weight, self.out_features, self.bias).view(
+            return cpu_kernels.load().gemm_bf16(rows, self.packed_weight, self.out_features, self.packed_bias).view(
                 *x.shape[:-1], -1)
         if self.packing == "onednn" and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.weight.device.type == "meta":
+            raise TypeError(f"this Linear runs on its {self.weight.dtype} packed weight ({self.packing}) and got "
+                            f"{x.dtype} input; its plain weight was released after packing")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -159,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
             param = params[name]
+            if param.device.type == "meta":
+                raise RuntimeError(f"{name}: weights were packed and the plain copy released; load weights "
+                                   "before pack_linear_weights (load_model does)")
             if shard is None:
                 dst = param.data
             else:

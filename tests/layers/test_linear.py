@@ -167,6 +167,9 @@ def test_pack_linear_weights_holds_each_weight_once(dtype):
         assert head.weight is embed.weight and embed.weight.device.type == "cpu"
         assert pack_linear_weights(m) == {expected_packing(dtype): 2}
         assert torch.equal(head(proj(embed(ids))), before)
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        with pytest.raises(TypeError, match="plain weight was released"):
+            proj(torch.randn(2, 32).to(other))
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])

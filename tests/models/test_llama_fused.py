@@ -171,3 +171,13 @@ def test_engine_output_is_the_same_fused_or_not(tiny_models, monkeypatch):
             assert stack.steps_run > 0 and stack.steps_declined == 0
         results[flag] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert results["1"] == results["0"]
+
+
+def test_loading_weights_after_packing_is_refused(tiny_models):
+    """Packed Linears hold no plain weight to load into: a late load must fail, not be dropped."""
+    from kvflow.loader import iter_weights
+
+    path, _ = tiny_models("llama")
+    _, model = _model(path)
+    with pytest.raises(RuntimeError, match="packed and the plain copy released"):
+        model.load_weights(iter_weights(path))

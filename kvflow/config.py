@@ -159,7 +159,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    kv_cache_memory: int | None = None  # bytes; default memory_plan.DEFAULT_KV_CACHE_MEMORY (512 MiB)
+    kv_cache_memory: int | None = None  # bytes; default 512 MiB, or one max_model_len sequence if more
     memory_utilization: float | None = None  # or: a fraction of machine memory
     enable_prefix_caching: bool = True
     seed: int = 0

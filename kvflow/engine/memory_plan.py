@@ -16,6 +16,7 @@ from kvflow.config import ModelConfig
 
 # 512 MiB: 23,000 tokens of SmolLM2 in bf16 (2.8 sequences at its full 8,192 context, 32 at
 # W-offline's lengths with room to spare), and peak RSS on W-offline stays under 1.5 GB.
+# A model whose one full-length sequence needs more gets that much instead.
 DEFAULT_KV_CACHE_MEMORY = 512 << 20
 
 
@@ -93,20 +94,21 @@ def plan_kv_cache(
         raise ValueError("kv_cache_memory and memory_utilization: set one, not both")
     elem = torch.tensor([], dtype=dtype).element_size()
     weight_bytes = cfg.num_parameters() * elem
+    bytes_per_token = cfg.kv_bytes_per_token(dtype)
+    one_sequence = -(-max_model_len // block_size) * block_size * bytes_per_token
     if memory_utilization is not None:
         if not 0 < memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
         budget = int(memory_utilization * system_memory_bytes()) - weight_bytes - activation_bytes
         source = f"memory_utilization={memory_utilization}"
     else:
-        budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else int(kv_cache_memory)
+        budget = max(DEFAULT_KV_CACHE_MEMORY, one_sequence) if kv_cache_memory is None else int(kv_cache_memory)
         source = f"kv_cache_memory={budget}"
     if budget <= 0:
         raise ValueError(f"{source} leaves no memory for the KV cache after {_fmt_bytes(weight_bytes)} of weights")
-    bytes_per_token = cfg.kv_bytes_per_token(dtype)
     plan = KVCachePlan(dtype, block_size, bytes_per_token, budget // (bytes_per_token * block_size), max_model_len, weight_bytes)
     if plan.num_tokens < max_model_len:
-        need = -(-max_model_len // block_size) * plan.bytes_per_block
+        need = one_sequence
         raise ValueError(
             f"the KV cache ({source}) holds {plan.num_tokens:,} tokens, fewer than one sequence of "
             f"max_model_len={max_model_len:,}: raise kv_cache_memory to at least {need:,} bytes "

@@ -47,7 +47,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     mem = g.add_mutually_exclusive_group()
-    mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 512MiB)")
+    mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 512MiB, or one max-model-len sequence if more)")
     mem.add_argument("--memory-utilization", type=float, default=None,
                      help="or: fraction of machine memory for weights + KV cache")
 

@@ -49,6 +49,15 @@ def test_memory_utilization_subtracts_weights():
     assert plan.num_blocks == budget // (plan.bytes_per_token * 16)
 
 
+def test_default_budget_holds_one_full_length_sequence():
+    """512 MiB unless one max_model_len sequence needs more: a default that cannot start a big
+    model would be no default."""
+    small = plan_kv_cache(ModelConfig.from_hf_config(SMOLLM2), torch.bfloat16, 16, 8192)
+    assert small.kv_cache_bytes == (512 << 20) // small.bytes_per_block * small.bytes_per_block
+    big = plan_kv_cache(ModelConfig.from_hf_config(LLAMA3_8B), torch.bfloat16, 16, 8192)
+    assert big.num_tokens == 8192  # 128 KiB per token: exactly one full sequence (1 GiB)
+
+
 def test_too_small_names_the_knob():
     mc = ModelConfig.from_hf_config(LLAMA3_8B)
     with pytest.raises(ValueError, match=r"raise kv_cache_memory to at least 1,073,741,824 bytes .* or lower max_model_len"):

@@ -1,7 +1,7 @@
 """Turns a scheduler decision into flat tensors, runs the model, and samples.
 
-The runner owns the model and the KV cache tensors (one [2, num_blocks, block_size,
-kv_heads, head_dim] tensor per layer, allocated by the attention backend). Per step it
+The runner owns the model and the KV cache (one pool, allocated by the attention backend;
+a [2, num_blocks, block_size, kv_heads, head_dim] view of it per layer). Per step it
 builds, without per-token Python loops:
   input_ids, positions  [num_tokens]   the new tokens of every scheduled sequence, concatenated
   slot_mapping          [num_tokens]   where each new token's K/V goes in the pool
@@ -55,11 +55,9 @@ class ModelRunner:
         self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = [
-            attn_backend.allocate_kv_cache(kv_cache_manager.num_blocks, self.block_size,
-                                           model_config.num_key_value_heads, model_config.head_dim, dtype)
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        self.kv_caches = attn_backend.allocate_kv_caches(
+            model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
+            model_config.num_key_value_heads, model_config.head_dim, dtype)
         self.sampler = Sampler()
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:

@@ -59,16 +59,17 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype) -> torch.Tensor:
-        """One layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim]: views into
+        one pool allocated at once.
 
         Zeroed, so the whole pool is resident from the start: the memory plan's figure is what
         the process holds, and resident memory does not creep up run after run as the prefix
         cache fills the pool. (No reader depends on the zeros: each looks only at slots below
         a sequence's length, or masks the rest, values included.)
         """
-        return torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+        return list(torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype))
 
     @abstractmethod
     def forward(
@@ -99,14 +100,16 @@ class CPUAttentionBackend(AttentionBackend):
     def __init__(self, use_kernels: bool = True) -> None:
         self.kernels = cpu_kernels.load() if use_kernels else None
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype) -> torch.Tensor:
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """As the base class, on 2 MiB pages where Linux gives them: a decode step reads blocks
         scattered over the pool, and with 4 KiB pages every block costs TLB misses (decode
-        attention over a shuffled block table measured about 10% faster on huge pages)."""
-        cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
-        advise_huge_pages(cache)  # before the first touch, which the zeroing is
-        return cache.zero_()
+        attention over a shuffled block table measured about 10% faster on huge pages). One
+        allocation for all layers is large enough to be a fresh mapping of its own, which the
+        hint can apply to (a small one may reuse heap pages already resident)."""
+        pool = torch.empty((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+        advise_huge_pages(pool)  # before the first touch, which the zeroing is
+        return list(pool.zero_())
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]

@@ -83,7 +83,7 @@ def build_step(head_dim: int, dtype: torch.dtype, seed: int = 0):
 def fresh_cache(backend: CPUAttentionBackend, head_dim: int, dtype: torch.dtype, context, poison: bool):
     """The backend's own allocation with the cached context written in; `poison` fills every
     other slot with NaN (stale K/V of freed blocks: readers must never look past a length)."""
-    kv_cache = backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype)
+    kv_cache = backend.allocate_kv_caches(1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype)[0]
     assert kv_cache.shape == (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim) and kv_cache.dtype == dtype
     if poison:
         kv_cache.fill_(float("nan"))
@@ -210,10 +210,13 @@ def _huge_kib_under(t: torch.Tensor) -> int:
     return total
 
 
-def test_kv_cache_is_zeroed_and_on_huge_pages():
-    """The pool is resident and zero from the start, and asks Linux for 2 MiB pages."""
+def test_kv_caches_are_one_zeroed_pool_on_huge_pages():
+    """The layers' caches are views of one pool, resident and zero from the start, on 2 MiB pages."""
     if _thp_mode() not in ("always", "madvise"):
         pytest.skip("transparent huge pages are off on this machine (a kernel setting, not kvflow's)")
-    cache = CPUAttentionBackend().allocate_kv_cache(1024, 16, 4, 64, torch.bfloat16)  # 16 MiB
-    assert not cache.any()
-    assert _huge_kib_under(cache) >= 4096
+    caches = CPUAttentionBackend().allocate_kv_caches(4, 1024, 16, 4, 64, torch.bfloat16)  # 4 x 16 MiB
+    assert len(caches) == 4 and all(c.shape == (2, 1024, 16, 4, 64) and c.is_contiguous() for c in caches)
+    layer_bytes = caches[0].numel() * caches[0].element_size()
+    assert all(b.data_ptr() - a.data_ptr() == layer_bytes for a, b in zip(caches, caches[1:]))
+    assert not any(c.any() for c in caches)
+    assert sum(_huge_kib_under(c) for c in caches) >= 32 << 10

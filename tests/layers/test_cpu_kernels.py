@@ -190,9 +190,11 @@ def test_paged_decode_attention_is_batch_invariant(kernels, dtype, portable):
 
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_takes_row_strided_q(kernels, dtype, portable):
+@pytest.mark.parametrize("kind", ["few", "many"])  # per-KV-head and whole-sequence work items
+def test_paged_decode_attention_takes_row_strided_q(kernels, kind, dtype, portable):
     """q as a view into a fused QKV output (rows wider than the heads) reads the right rows."""
-    q, kc, vc, tables, seq_lens = make_paged_case([5, 40, 17], 8, 2, 64, 16, dtype, seed=3)
+    lens = [5, 40, 17] if kind == "few" else batch_lens("many", 16, seed=3)
+    q, kc, vc, tables, seq_lens = make_paged_case(lens, 8, 2, 64, 16, dtype, seed=3)
     wide = torch.full((q.shape[0], q.shape[1] * q.shape[2] + 96), float("nan"), dtype=dtype)
     wide[:, : q.shape[1] * q.shape[2]] = q.reshape(q.shape[0], -1)
     view = wide[:, : q.shape[1] * q.shape[2]].view(q.shape)

@@ -74,7 +74,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous sublayer's output, not yet added to the residual stream (None for the first layer)."""
+        """x: the previous sublayer's output, not yet added to the residual stream (None for the first layer).
+
+        csrc/llama_forward.cpp runs these same ops in this order for the fused stack: change both.
+        """
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:

@@ -14,7 +14,8 @@
 //   block_tables  [num_seqs, block_table_stride] int64
 //   seq_lens      [num_seqs] int64: tokens in each sequence's context, the new one included
 // Scores, softmax and the weighted sum of V are accumulated in float32 whatever the
-// storage dtype, as the PyTorch path does.
+// storage dtype, as the PyTorch path does; in bf16 the probabilities are rounded to bf16
+// before p.V, as that path also does (there they meet V in a bf16 matmul).
 
 #include <algorithm>
 #include <cmath>

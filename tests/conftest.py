@@ -179,3 +179,27 @@ def bf16_kernels(kernels):
     if not kernels.has_gemm_bf16:
         pytest.skip("this CPU has no AVX512-BF16: kvflow's bf16 kernels are not built for it")
     return kernels
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (bit patterns mapped to a monotonic integer line)."""
+
+    def line(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (line(a) - line(b)).abs()
+
+
+def assert_nearly_bitwise(got: torch.Tensor, expected: torch.Tensor, max_fraction: float = 1e-3,
+                          label: str = "") -> None:
+    """float32: to ~1e-6 relative. bf16: bitwise but for at most `max_fraction` of elements, off by 1 ulp."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        return
+    assert not got.isnan().any()
+    ulps = bf16_ulps(got, expected)
+    assert ulps.max().item() <= 1, f"an element is {ulps.max().item()} bf16 ulps away{label}"
+    differing = (ulps > 0).float().mean().item()
+    assert differing <= max_fraction, f"{differing:.2%} of elements differ by one ulp{label}"

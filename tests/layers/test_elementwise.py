@@ -25,6 +25,7 @@ from kvflow.layers import cpu_kernels
 from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from tests.conftest import assert_nearly_bitwise
 
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -61,29 +62,6 @@ def no_kernels(monkeypatch):
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
 
     return disable
-
-
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in bf16 units in the last place (bit patterns mapped to a monotonic integer line)."""
-
-    def line(t: torch.Tensor) -> torch.Tensor:
-        bits = t.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    return (line(a) - line(b)).abs()
-
-
-def assert_same_results(got: torch.Tensor, expected: torch.Tensor, max_fraction: float = 1e-3) -> None:
-    """float32: to ~1e-6 relative. bf16: bitwise but for at most `max_fraction` of elements, off by 1 ulp."""
-    assert got.dtype == expected.dtype and got.shape == expected.shape
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-        return
-    assert not got.isnan().any()
-    ulps = bf16_ulps(got, expected)
-    assert ulps.max().item() <= 1, f"an element is {ulps.max().item()} bf16 ulps away"
-    differing = (ulps > 0).float().mean().item()
-    assert differing <= max_fraction, f"{differing:.2%} of elements differ by one ulp"
 
 
 # ---- for_tensors ---------------------------------------------------------------------------
@@ -131,7 +109,7 @@ def test_rms_norm_kernel_matches_torch_path(rows, hidden, dtype, spy, no_kernels
     no_kernels()
     expected = norm(x)
     assert len(calls) == 1, "RMSNorm took the kernel after cpu_kernels.load was patched to None"
-    assert_same_results(out, expected)
+    assert_nearly_bitwise(out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,7 +125,7 @@ def test_add_rms_norm_kernel_matches_torch_path(rows, hidden, dtype, spy, no_ker
     assert len(calls) == 1
     # The sum is one rounding of an exact float32 add on both paths: bitwise in both dtypes.
     assert torch.equal(res, expected_res)
-    assert_same_results(out, expected_out)
+    assert_nearly_bitwise(out, expected_out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,7 +180,7 @@ def test_silu_and_mul_kernel_matches_torch_path(rows, inter, dtype, spy, no_kern
     assert len(calls) == 1
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(expected, F.silu(gate) * up)  # the PyTorch path is the reference formula
-    assert_same_results(out, expected)
+    assert_nearly_bitwise(out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -259,8 +237,8 @@ def test_rotary_kernel_matches_torch_path(dtype, scaling, spy, no_kernels):
     q_torch, k_torch = rotary(positions, q.clone(), k.clone())
     assert len(calls) == 1, "RotaryEmbedding must look the kernels up at call time"
     # The PyTorch path needs only one rounding per op, so bf16 agrees bitwise, not just nearly.
-    assert_same_results(q_kernel, q_torch, max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
-    assert_same_results(k_kernel, k_torch, max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
+    assert_nearly_bitwise(q_kernel, q_torch, max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
+    assert_nearly_bitwise(k_kernel, k_torch, max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
 
 
 def test_rotary_is_a_rotation_by_position():
@@ -303,8 +281,8 @@ def test_rotary_on_fused_qkv_views_rotates_only_q_and_k(dtype, spy, no_kernels):
     no_kernels()
     q_ref, k_ref = rotary(positions, original[:, :q_size].reshape(tokens, NUM_HEADS, HEAD_DIM),
                           original[:, q_size : q_size + kv_size].reshape(tokens, NUM_KV_HEADS, HEAD_DIM))
-    assert_same_results(qkv[:, :q_size].reshape(q_ref.shape), q_ref, max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
-    assert_same_results(qkv[:, q_size : q_size + kv_size].reshape(k_ref.shape), k_ref,
+    assert_nearly_bitwise(qkv[:, :q_size].reshape(q_ref.shape), q_ref, max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
+    assert_nearly_bitwise(qkv[:, q_size : q_size + kv_size].reshape(k_ref.shape), k_ref,
                         max_fraction=0.0 if dtype == torch.bfloat16 else 1e-3)
     assert torch.equal(qkv[:, q_size + kv_size :], original[:, q_size + kv_size :]), "v was modified"
 

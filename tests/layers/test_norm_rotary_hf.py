@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from tests.conftest import assert_nearly_bitwise
 
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 LlamaConfig = pytest.importorskip("transformers").LlamaConfig
@@ -27,22 +28,8 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, MAX_POS = 64, 6, 2, 4096
 
 
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    def line(t: torch.Tensor) -> torch.Tensor:
-        bits = t.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    return (line(a) - line(b)).abs()
-
-
 def assert_matches_hf(got: torch.Tensor, expected: torch.Tensor, max_fraction: float = 1e-3) -> None:
-    assert got.dtype == expected.dtype and got.shape == expected.shape
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-        return
-    ulps = bf16_ulps(got, expected)
-    assert ulps.max().item() <= 1, f"an element is {ulps.max().item()} bf16 ulps from Hugging Face"
-    assert (ulps > 0).float().mean().item() <= max_fraction
+    assert_nearly_bitwise(got, expected, max_fraction, label=" from Hugging Face")
 
 
 def norm_pair(hidden: int, dtype: torch.dtype):

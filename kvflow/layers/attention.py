@@ -69,7 +69,10 @@ class AttentionBackend(ABC):
         cache fills the pool. (No reader depends on the zeros: each looks only at slots below
         a sequence's length, or masks the rest, values included.)
         """
-        return list(torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype))
+        return list(self._zeroed_pool((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype))
+
+    def _zeroed_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
 
     @abstractmethod
     def forward(
@@ -100,16 +103,15 @@ class CPUAttentionBackend(AttentionBackend):
     def __init__(self, use_kernels: bool = True) -> None:
         self.kernels = cpu_kernels.load() if use_kernels else None
 
-    def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """As the base class, on 2 MiB pages where Linux gives them: a decode step reads blocks
-        scattered over the pool, and with 4 KiB pages every block costs TLB misses (decode
-        attention over a shuffled block table measured about 10% faster on huge pages). One
-        allocation for all layers is large enough to be a fresh mapping of its own, which the
-        hint can apply to (a small one may reuse heap pages already resident)."""
-        pool = torch.empty((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype)
+    def _zeroed_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """On 2 MiB pages where Linux gives them: a decode step reads blocks scattered over the
+        pool, and with 4 KiB pages every block costs TLB misses (decode attention over a
+        shuffled block table measured about 10% faster on huge pages). One allocation for all
+        layers is large enough to be a fresh mapping of its own, which the hint can apply to
+        (a small one may reuse heap pages already resident)."""
+        pool = torch.empty(shape, dtype=dtype)
         advise_huge_pages(pool)  # before the first touch, which the zeroing is
-        return list(pool.zero_())
+        return pool.zero_()
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]

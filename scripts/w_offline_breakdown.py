@@ -15,8 +15,7 @@ import collections
 import functools
 import time
 
-import numpy as np
-
+from kvflow.bench.datasets import random_requests
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.layers import cpu_kernels
@@ -29,12 +28,6 @@ for name in ("paged_prefill_attention", "paged_decode_attention", "gemm_bf16_pre
     def wrap(*a, _f=getattr(K, name), _n=name, **kw):
         t = time.perf_counter(); r = _f(*a, **kw); acc[_n] += time.perf_counter() - t; return r
     setattr(K, name, wrap)
-
-
-def reqs(seed):
-    rng = np.random.default_rng(seed)
-    pl = rng.integers(32, 513, 32); ol = rng.integers(32, 257, 32)
-    return [(rng.integers(1000, 40000, size=pl[i]).tolist(), int(ol[i])) for i in range(32)]
 
 
 def engine(fused: bool):
@@ -59,8 +52,9 @@ def engine(fused: bool):
 
 
 def run(eng, tm, seed):
-    for i, (p, o) in enumerate(reqs(seed)):
-        eng.add_request(f"{seed}-{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+    for i, req in enumerate(random_requests(seed=seed)):  # W-offline's draw
+        eng.add_request(f"{seed}-{i}", {"prompt_token_ids": req.prompt_token_ids},
+                        SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True))
     kinds = collections.Counter(); comp = {"prefill": collections.Counter(), "decode": collections.Counter()}
     t0 = time.perf_counter()
     while eng.has_unfinished_requests():

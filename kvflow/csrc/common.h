@@ -11,6 +11,9 @@
 
 namespace kvflow {
 
+// Rows of x per register block in the GEMM microkernels (dpbf16.h, fma_f32.h).
+constexpr int kMaxBlockRows = 8;
+
 inline float bf16_to_float(uint16_t x) {
     uint32_t bits = static_cast<uint32_t>(x) << 16;
     float f;

@@ -99,8 +99,8 @@ int kvflow_llama_forward_bf16(const KvflowLlamaShape* shape, const KvflowLlamaLa
                                                      attn, nd, shape->num_heads, shape->num_kv_heads, D,
                                                      shape->block_size, shape->scale, 0));
         if (num_prefills > 0)
-            KVFLOW_TRY(kvflow_paged_prefill_attention_bf16(
-                q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
+            KVFLOW_TRY(kvflow_paged_prefill_attention(
+                kBF16, q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
                 step->block_table_stride, step->query_start + nd, step->seq_lens + nd, attn, q_size, num_prefills,
                 shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
         KVFLOW_TRY(kvflow_gemm_bf16(attn, T, q_size, q_size, L.o_proj, H, nullptr, y, H));

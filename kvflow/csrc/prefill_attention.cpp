@@ -1,12 +1,14 @@
-// Paged causal attention for prefill chunks in bf16, K/V read through the block table.
+// Paged causal attention for prefill chunks, K/V read through the block table; bf16
+// (AVX512-BF16) and float32 (AVX-512F).
 //
 // Each sequence contributes a chunk of new query tokens at positions context..context+n-1;
 // its K/V (cached context and the chunk itself, already written to the pool) are read
 // through its block table, so a first chunk and a chunk over cached context take the same
 // path. Work items are (sequence, KV head, block of 32 query tokens): the item packs the
-// keys it can see into the layout `dpbf16.h` consumes, computes float32 scores only up to
-// each row block's causal limit, takes an exact (two-pass) softmax per row, rounds the
-// probabilities to bf16 (as PyTorch's bf16 flash attention does) and multiplies by V.
+// keys it can see into the layout the GEMM microkernels consume (dpbf16.h, fma_f32.h),
+// computes float32 scores only up to each row block's causal limit, takes an exact
+// (two-pass) softmax per row and multiplies by V. In bf16 the probabilities are rounded to
+// bf16 first, as PyTorch's bf16 flash attention does; in float32 nothing is rounded.
 //
 // Layouts: q/out [tokens, num_heads, head_dim] with the given token strides; caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; query_start [num_seqs + 1];
@@ -16,19 +18,65 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
 
 #include "common.h"
 #include "dpbf16.h"
+#include "fma_f32.h"
 #include "kernels.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 namespace {
+
+using kvflow::BF16;
+using kvflow::F32;
 
 constexpr int64_t kQueryBlock = 32;
 constexpr int kKeyTiles = 4;  // 64 keys per scores call
+
+// What differs between the dtypes: how many consecutive k share a lane of the packed
+// operand (G), the microkernel, and how a probability row is stored.
+template <typename Dt>
+struct Kernel;
+
+#if defined(__AVX512BF16__)
+template <>
+struct Kernel<BF16> {
+    static constexpr int64_t G = 2;  // vdpbf16ps takes k in pairs
+    template <int NT, typename Store>
+    static void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
+                     int64_t steps, Store& store) {
+        kvflow::dpbf16_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
+    }
+    // Stores e rounded to bf16 and returns what was stored, so the row sum is over what is multiplied.
+    static inline __m512 store_probs(uint16_t* p, __m512 e) {
+        const __m256bh pb = _mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)pb);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16));
+    }
+    static inline void store_out(uint16_t* o, __m512 v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+};
+#endif
+
+template <>
+struct Kernel<F32> {
+    static constexpr int64_t G = 1;
+    template <int NT, typename Store>
+    static void rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
+                     int64_t steps, Store& store) {
+        kvflow::fma_f32_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
+    }
+    static inline __m512 store_probs(float* p, __m512 e) {
+        _mm512_storeu_ps(p, e);
+        return e;
+    }
+    static inline void store_out(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+};
 
 struct Item {
     int64_t seq, head, q0, q1, cost;
@@ -43,46 +91,49 @@ struct StoreScores {  // float32 scores, scaled
     }
 };
 
-struct StoreOut {  // out row = acc / row sum, rounded to bf16
-    uint16_t* out;
+template <typename Dt>
+struct StoreOut {  // out row = acc / row sum, in the storage dtype
+    typename Dt::T* out;
     int64_t stride, col0;
     const float* inv_sum;
     inline void operator()(int m, int j, __m512 acc) const {
-        const __m512 v = _mm512_mul_ps(acc, _mm512_set1_ps(inv_sum[m]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * stride + col0 + j * 16), (__m256i)_mm512_cvtneps_pbh(v));
+        Kernel<Dt>::store_out(out + m * stride + col0 + j * 16, _mm512_mul_ps(acc, _mm512_set1_ps(inv_sum[m])));
     }
 };
 
+template <typename T>
 struct Scratch {
-    std::vector<uint16_t> kp, vp, p;
+    std::vector<T> kp, vp, p;
     std::vector<float> s;
 };
 
-void run_item(const Item& it, const uint16_t* q, int64_t q_stride, const uint16_t* key_cache,
-              const uint16_t* value_cache, const int64_t* table, int64_t context, int64_t token0, uint16_t* out,
-              int64_t out_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-              float scale, Scratch& sc) {
+template <typename Dt>
+void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key_cache,
+              const typename Dt::T* value_cache, const int64_t* table, int64_t context, int64_t token0,
+              typename Dt::T* out, int64_t out_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t block_size, float scale, Scratch<typename Dt::T>& sc) {
+    using T = typename Dt::T;
+    using K = Kernel<Dt>;
+    constexpr int64_t G = K::G;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t keys = context + it.q1;  // the last query of the item sees keys [0, keys)
     const int64_t padded = (keys + 15) / 16 * 16;
-    const int64_t d_pairs = head_dim / 2, token_stride = num_kv_heads * head_dim;
+    const int64_t token_stride = num_kv_heads * head_dim;
 
-    // K packed as [key tile][d pair][16 keys][2]; V as [d tile][key pair][16 dims][2].
-    sc.kp.assign(static_cast<size_t>(padded * head_dim), 0);
-    sc.vp.assign(static_cast<size_t>(padded * head_dim), 0);
-    uint32_t* kp = reinterpret_cast<uint32_t*>(sc.kp.data());
+    // Element (key t, dim d) of K goes to [key tile][d / G][16 keys][G], of V to
+    // [d tile][t / G][16 dims][G]: one 64-byte row per k step of the microkernel.
+    sc.kp.assign(static_cast<size_t>(padded * head_dim), T(0));
+    sc.vp.assign(static_cast<size_t>(padded * head_dim), T(0));
     for (int64_t t = 0; t < keys; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const uint16_t* krow = key_cache + slot * token_stride + it.head * head_dim;
-        const uint16_t* vrow = value_cache + slot * token_stride + it.head * head_dim;
-        uint32_t pairs[128];
-        std::memcpy(pairs, krow, static_cast<size_t>(head_dim) * sizeof(uint16_t));
-        uint32_t* kdst = kp + (t / 16) * d_pairs * 16 + t % 16;
-        for (int64_t p = 0; p < d_pairs; ++p) kdst[p * 16] = pairs[p];
-        uint16_t* vdst = sc.vp.data() + (t / 2) * 32 + t % 2;
-        for (int64_t d = 0; d < head_dim; ++d) vdst[(d / 16) * padded * 16 + (d % 16) * 2] = vrow[d];
+        const T* krow = key_cache + slot * token_stride + it.head * head_dim;
+        const T* vrow = value_cache + slot * token_stride + it.head * head_dim;
+        T* kdst = sc.kp.data() + (t / 16) * head_dim * 16 + (t % 16) * G;
+        for (int64_t d = 0; d < head_dim; ++d) kdst[(d / G) * 16 * G + d % G] = krow[d];
+        T* vdst = sc.vp.data() + (t / G) * 16 * G + t % G;
+        for (int64_t d = 0; d < head_dim; ++d) vdst[(d / 16) * padded * 16 + (d % 16) * G] = vrow[d];
     }
-    const int64_t k_tile_stride = d_pairs * 32, v_tile_stride = padded * 16;
+    const int64_t k_tile_stride = head_dim * 16, v_tile_stride = padded * 16;
 
     const int64_t rows_total = it.q1 - it.q0;
     sc.s.resize(static_cast<size_t>(rows_total * padded));
@@ -94,34 +145,31 @@ void run_item(const Item& it, const uint16_t* q, int64_t q_stride, const uint16_
             const int64_t rows = std::min<int64_t>(kvflow::kMaxBlockRows, rows_total - r0);
             const int64_t limit = context + it.q0 + r0 + rows;  // keys visible to the block's last row
             const int64_t tiles = (limit + 15) / 16;
-            const uint16_t* x = q + (token0 + it.q0 + r0) * q_stride + head * head_dim;
+            const T* x = q + (token0 + it.q0 + r0) * q_stride + head * head_dim;
             int64_t tile = 0;
             for (; tile + kKeyTiles <= tiles; tile += kKeyTiles) {
                 StoreScores st{sc.s.data() + r0 * padded, padded, tile * 16, scale};
-                kvflow::dpbf16_rows<kKeyTiles>(rows, x, q_stride, sc.kp.data() + tile * k_tile_stride, k_tile_stride,
-                                               d_pairs, st);
+                K::template rows<kKeyTiles>(rows, x, q_stride, sc.kp.data() + tile * k_tile_stride, k_tile_stride,
+                                            head_dim / G, st);
             }
             for (; tile < tiles; ++tile) {
                 StoreScores st{sc.s.data() + r0 * padded, padded, tile * 16, scale};
-                kvflow::dpbf16_rows<1>(rows, x, q_stride, sc.kp.data() + tile * k_tile_stride, k_tile_stride,
-                                       d_pairs, st);
+                K::template rows<1>(rows, x, q_stride, sc.kp.data() + tile * k_tile_stride, k_tile_stride,
+                                    head_dim / G, st);
             }
         }
-        // Exact softmax per row over its visible keys; probabilities rounded to bf16, zero beyond.
+        // Exact softmax per row over its visible keys; zero probability beyond.
         float inv_sum[kQueryBlock];
         for (int64_t r = 0; r < rows_total; ++r) {
             const int64_t len = context + it.q0 + r + 1;
             float* row = sc.s.data() + r * padded;
-            uint16_t* prow = sc.p.data() + r * padded;
+            T* prow = sc.p.data() + r * padded;
             const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = 0; t < padded; t += 16) {
                 const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
                 const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
-                const __m256bh pb = _mm512_cvtneps_pbh(e);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + t), (__m256i)pb);
-                // Sum what is multiplied: the bf16-rounded probabilities.
-                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
+                sum = _mm512_add_ps(sum, K::store_probs(prow + t, e));
             }
             inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
         }
@@ -129,28 +177,23 @@ void run_item(const Item& it, const uint16_t* q, int64_t q_stride, const uint16_
         for (int64_t r0 = 0; r0 < rows_total; r0 += kvflow::kMaxBlockRows) {
             const int64_t rows = std::min<int64_t>(kvflow::kMaxBlockRows, rows_total - r0);
             const int64_t limit = context + it.q0 + r0 + rows;
-            const int64_t key_pairs = (limit + 1) / 2;
-            uint16_t* orow = out + (token0 + it.q0 + r0) * out_stride + head * head_dim;
+            const int64_t key_steps = (limit + G - 1) / G;
+            T* orow = out + (token0 + it.q0 + r0) * out_stride + head * head_dim;
             for (int64_t dt = 0; dt < head_dim / 16; ++dt) {
-                StoreOut st{orow, out_stride, dt * 16, inv_sum + r0};
-                kvflow::dpbf16_rows<1>(rows, sc.p.data() + r0 * padded, padded, sc.vp.data() + dt * v_tile_stride,
-                                       v_tile_stride, key_pairs, st);
+                StoreOut<Dt> st{orow, out_stride, dt * 16, inv_sum + r0};
+                K::template rows<1>(rows, sc.p.data() + r0 * padded, padded, sc.vp.data() + dt * v_tile_stride,
+                                    v_tile_stride, key_steps, st);
             }
         }
     }
 }
 
-}  // namespace
-#endif
-
-extern "C" int kvflow_paged_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* key_cache,
-                                                   const uint16_t* value_cache, const int64_t* block_tables,
-                                                   int64_t block_table_stride, const int64_t* query_start,
-                                                   const int64_t* seq_lens, uint16_t* out, int64_t out_stride,
-                                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                                   int64_t head_dim, int64_t block_size, float scale) {
-#if defined(__AVX512BF16__)
-    if (head_dim % 16 != 0 || head_dim > 256 || num_heads % num_kv_heads != 0) return -1;
+template <typename Dt>
+void prefill(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key_cache,
+             const typename Dt::T* value_cache, const int64_t* block_tables, int64_t block_table_stride,
+             const int64_t* query_start, const int64_t* seq_lens, typename Dt::T* out, int64_t out_stride,
+             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+             float scale) {
     std::vector<Item> items;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t n = query_start[s + 1] - query_start[s], context = seq_lens[s] - n;
@@ -164,21 +207,50 @@ extern "C" int kvflow_paged_prefill_attention_bf16(const uint16_t* q, int64_t q_
     const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel
     {
-        Scratch scratch;
+        Scratch<typename Dt::T> scratch;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; ++i) {
             const Item& it = items[i];
             const int64_t n = query_start[it.seq + 1] - query_start[it.seq];
-            run_item(it, q, q_stride, key_cache, value_cache, block_tables + it.seq * block_table_stride,
-                     seq_lens[it.seq] - n, query_start[it.seq], out, out_stride, num_heads, num_kv_heads, head_dim,
-                     block_size, scale, scratch);
+            run_item<Dt>(it, q, q_stride, key_cache, value_cache, block_tables + it.seq * block_table_stride,
+                         seq_lens[it.seq] - n, query_start[it.seq], out, out_stride, num_heads, num_kv_heads, head_dim,
+                         block_size, scale, scratch);
         }
     }
-    return 0;
-#else
-    (void)q; (void)q_stride; (void)key_cache; (void)value_cache; (void)block_tables; (void)block_table_stride;
-    (void)query_start; (void)seq_lens; (void)out; (void)out_stride; (void)num_seqs; (void)num_heads;
-    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale;
-    return -2;
+}
+
+}  // namespace
 #endif
+
+// dtype: 0 = float32 (needs AVX-512F), 1 = bfloat16 (needs AVX512-BF16); -2 when the CPU
+// lacks what the dtype needs.
+extern "C" int kvflow_paged_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
+                                              const void* value_cache, const int64_t* block_tables,
+                                              int64_t block_table_stride, const int64_t* query_start,
+                                              const int64_t* seq_lens, void* out, int64_t out_stride,
+                                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                              int64_t head_dim, int64_t block_size, float scale) {
+    if (head_dim % 16 != 0 || head_dim > 256 || num_heads % num_kv_heads != 0) return -1;
+#if defined(__AVX512F__)
+    if (dtype == 0) {
+        prefill<F32>(static_cast<const float*>(q), q_stride, static_cast<const float*>(key_cache),
+                     static_cast<const float*>(value_cache), block_tables, block_table_stride, query_start, seq_lens,
+                     static_cast<float*>(out), out_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                     scale);
+        return 0;
+    }
+#if defined(__AVX512BF16__)
+    if (dtype == 1) {
+        prefill<BF16>(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(key_cache),
+                      static_cast<const uint16_t*>(value_cache), block_tables, block_table_stride, query_start,
+                      seq_lens, static_cast<uint16_t*>(out), out_stride, num_seqs, num_heads, num_kv_heads, head_dim,
+                      block_size, scale);
+        return 0;
+    }
+#endif
+#endif
+    (void)dtype; (void)q; (void)q_stride; (void)key_cache; (void)value_cache; (void)block_tables;
+    (void)block_table_stride; (void)query_start; (void)seq_lens; (void)out; (void)out_stride; (void)num_seqs;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale;
+    return -2;
 }

@@ -108,13 +108,18 @@ class CPUKernels:
         self.lib.kvflow_gemm_bf16.restype = ctypes.c_int
         self._gemm = self.lib.kvflow_gemm_bf16
         self.has_gemm_bf16 = bool(self.lib.kvflow_has_gemm_bf16())
+        self.lib.kvflow_pack_f32_weight.argtypes = [ptr, i64, i64, ptr]
+        self.lib.kvflow_pack_f32_weight.restype = None
+        self.lib.kvflow_gemm_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+        self.lib.kvflow_gemm_f32.restype = ctypes.c_int
+        self.has_gemm_f32 = bool(self.lib.kvflow_has_gemm_f32())
         self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
         self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
-        self.lib.kvflow_paged_prefill_attention_bf16.argtypes = [
-            ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        self.lib.kvflow_paged_prefill_attention.argtypes = [
+            ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
         for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary,
-                   self.lib.kvflow_paged_prefill_attention_bf16):
+                   self.lib.kvflow_paged_prefill_attention):
             fn.restype = ctypes.c_int
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
@@ -183,19 +188,20 @@ class CPUKernels:
         return out
 
     def supports_prefill(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        """The bf16 prefill kernel needs AVX512-BF16 and head_dim a multiple of 16 (up to 256)."""
-        return (self.has_gemm_bf16 and dtype == torch.bfloat16 and num_heads % num_kv_heads == 0
+        """The prefill kernel runs where the GEMM of its dtype does (its microkernels): bf16 needs
+        AVX512-BF16, float32 AVX-512F; head_dim a multiple of 16 (up to 256)."""
+        return (self.has_gemm(dtype) and num_heads % num_kv_heads == 0
                 and head_dim % 16 == 0 and head_dim <= 256)
 
     def paged_prefill_attention(
         self,
-        q: torch.Tensor,  # [T, num_heads, head_dim] bf16, heads contiguous (rows may be strided)
+        q: torch.Tensor,  # [T, num_heads, head_dim] bf16 or float32, heads contiguous (rows may be strided)
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], chunk K/V already written
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [num_seqs, >= max blocks] int64, contiguous
         query_start: torch.Tensor,  # [num_seqs + 1] int64: each chunk's first row in q and out
         seq_lens: torch.Tensor,  # [num_seqs] int64: context + chunk length
-        out: torch.Tensor,  # [T, num_heads, head_dim] bf16, contiguous; rows of these chunks are written
+        out: torch.Tensor,  # [T, num_heads, head_dim] q's dtype, contiguous; rows of these chunks are written
         scale: float,
     ) -> None:
         """Causal attention of each sequence's chunk over all its keys so far, in place into `out`."""
@@ -203,50 +209,67 @@ class CPUKernels:
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
         if not heads_contiguous(q) or not out.is_contiguous():
             raise ValueError("paged_prefill_attention: q needs contiguous heads and out must be contiguous")
-        if not (q.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16):
-            raise ValueError("paged_prefill_attention: bf16 only")
+        if not (q.dtype == key_cache.dtype == value_cache.dtype == out.dtype) or not self.has_gemm(q.dtype):
+            raise ValueError(f"paged_prefill_attention: q, the caches and out must share one dtype this CPU's kernels "
+                             f"support (bf16 with AVX512-BF16, float32 with AVX-512F); got q {q.dtype}, caches "
+                             f"{key_cache.dtype}/{value_cache.dtype}, out {out.dtype}")
         for name, t in (("block_tables", block_tables), ("query_start", query_start), ("seq_lens", seq_lens)):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"paged_prefill_attention: {name} must be contiguous int64")
-        check_rc(self.lib.kvflow_paged_prefill_attention_bf16(
-            q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        check_rc(self.lib.kvflow_paged_prefill_attention(
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
             seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale), "paged_prefill_attention")
 
-    def pack_bf16_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] bf16 -> the [ceil(N/16), K/2, 16, 2] layout `gemm_bf16` streams (K must be even)."""
+    # Packed GEMMs (csrc/gemm.cpp): y = x @ W^T (+ bias) in bf16 or float32, W packed once.
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> the layout `gemm` streams: [ceil(N/16), K/2, 16, 2] for bf16 (K must be
+        even), [ceil(N/16), K, 16] for float32."""
         n, k = weight.shape
-        if weight.dtype != torch.bfloat16 or k % 2:
-            raise ValueError("pack_bf16_weight: needs a bf16 [N, K] weight with K even")
         weight = weight.contiguous()
-        packed = torch.empty(((n + 15) // 16, k // 2, 16, 2), dtype=torch.bfloat16)
-        self.lib.kvflow_pack_bf16_weight(weight.data_ptr(), n, k, packed.data_ptr())
+        if weight.dtype == torch.bfloat16 and k % 2 == 0:
+            packed = torch.empty(((n + 15) // 16, k // 2, 16, 2), dtype=torch.bfloat16)
+            self.lib.kvflow_pack_bf16_weight(weight.data_ptr(), n, k, packed.data_ptr())
+        elif weight.dtype == torch.float32:
+            packed = torch.empty(((n + 15) // 16, k, 16), dtype=torch.float32)
+            self.lib.kvflow_pack_f32_weight(weight.data_ptr(), n, k, packed.data_ptr())
+        else:
+            raise ValueError(f"pack_weight: needs a bf16 [N, K] weight with K even or a float32 one, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
         return packed
 
-    def gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] bf16 @ W^T (+ bias) for a weight packed by `pack_bf16_weight`; [M, N] bf16."""
+    def has_gemm(self, dtype: torch.dtype) -> bool:
+        return (dtype == torch.bfloat16 and self.has_gemm_bf16) or (dtype == torch.float32 and self.has_gemm_f32)
+
+    def gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ W^T (+ bias) for a weight packed by `pack_weight`; [M, N] in x's dtype."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
-            raise ValueError("gemm_bf16: x, the packed weight and the bias must be bf16")
-        m, k = x.shape
-        if k != packed.shape[1] * 2 or n > packed.shape[0] * 16:
-            raise ValueError(f"gemm_bf16: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} for N={n}")
+        dtype = x.dtype
+        if dtype not in (torch.bfloat16, torch.float32) or packed.dtype != dtype or (
+                bias is not None and bias.dtype != dtype):
+            raise ValueError(f"gemm: x, the packed weight and the bias must share one dtype (bf16 or float32), got "
+                             f"{dtype}, {packed.dtype}, {None if bias is None else bias.dtype}")
+        k = packed.shape[1] * packed.shape[3] if packed.dim() == 4 else packed.shape[1]
+        if x.dim() != 2 or x.shape[1] != k or n > packed.shape[0] * 16:
+            raise ValueError(f"gemm: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)} for N={n}")
         if bias is not None:
             bias = bias.contiguous()  # kept alive by this name until the kernel returns
-        return self.gemm_bf16_prevalidated(x, packed=packed, n=n, bias=bias)
+        return self.gemm_prevalidated(x, packed=packed, n=n, bias=bias)
 
-    def gemm_bf16_prevalidated(self, x: torch.Tensor, *, packed: torch.Tensor, n: int,
-                               bias: torch.Tensor | None) -> torch.Tensor:
-        """`gemm_bf16` without the checks, for a caller that validated its operands once
-        (`Linear` binds its packed weight and contiguous bias at pack time): x must be a bf16
-        [M, K] matrix with unit column stride and K matching the packed weight."""
+    def gemm_prevalidated(self, x: torch.Tensor, *, packed: torch.Tensor, n: int,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """`gemm` without the checks, for a caller that validated its operands once (`Linear`
+        binds its packed weight and contiguous bias at pack time): x must be an [M, K] matrix
+        of the packed weight's dtype with unit column stride and K matching it."""
         m, k = x.shape
-        y = torch.empty((m, n), dtype=torch.bfloat16)
-        rc = self._gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
-                        None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+        y = torch.empty((m, n), dtype=x.dtype)
+        fn = self._gemm if x.dtype == torch.bfloat16 else self.lib.kvflow_gemm_f32
+        rc = fn(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
+                None if bias is None else bias.data_ptr(), y.data_ptr(), n)
         if rc != 0:
-            raise RuntimeError(f"gemm_bf16 failed (code {rc})")
+            raise RuntimeError(f"gemm failed (code {rc})")
         return y
 
     # Fused elementwise ops (csrc/elementwise.cpp). Each takes contiguous rows of a supported dtype.

@@ -3,9 +3,10 @@
 `F.linear` hands oneDNN a plain [out, in] weight, which oneDNN reorders into its blocked
 layout on every call; at the few rows of a decode step that reorder costs as much as the
 product. `pack_linear_weights` packs each weight once, after the final dtype cast:
-  - bf16 on a CPU with AVX512-BF16: kvflow's own GEMM (`cpu_kernels.gemm_bf16`), measured
-    1.2-2x faster than oneDNN at 1-32 rows and level with it at 2,048; its summation order
-    does not depend on the number of rows, so a token's output is the same alone or batched;
+  - kvflow's own GEMM (`cpu_kernels.gemm`) for bf16 on a CPU with AVX512-BF16 and for float32
+    on one with AVX-512: measured 1.2-2x faster than oneDNN at 1-32 rows in bf16 (1.1-1.8x in
+    float32) and level with or slightly ahead of it at 2,048; its summation order does not
+    depend on the number of rows, so a token's output is the same alone or batched;
   - otherwise oneDNN's prepacked weight (1.5-2x faster than `F.linear` at 1-32 rows; bf16
     results bit-identical to `F.linear`, float32 differing only in summation order);
   - the plain weight where neither applies (not the CPU, KVFLOW_PACKED_LINEAR=0).
@@ -30,8 +31,8 @@ class Linear(nn.Linear):
     """`nn.Linear` that runs on its packed weight once `pack()` has made one."""
 
     packed_weight: torch.Tensor | None = None
-    packed_bias: torch.Tensor | None = None  # the bias in the packed GEMM's dtype (kvflow-bf16)
-    packing: str = "plain"  # "kvflow-bf16" | "onednn" | "plain"
+    packed_bias: torch.Tensor | None = None  # the bias in the packed GEMM's dtype (kvflow)
+    packing: str = "plain"  # "kvflow" | "onednn" | "plain"
 
     def pack(self) -> None:
         if self.weight.device.type == "meta":
@@ -41,12 +42,13 @@ class Linear(nn.Linear):
         if os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0" or weight.device.type != "cpu":
             return
         kernels = cpu_kernels.load()
-        if weight.dtype == torch.bfloat16 and kernels is not None and kernels.has_gemm_bf16 and weight.shape[1] % 2 == 0:
-            self.packed_weight, self.packing = kernels.pack_bf16_weight(weight), "kvflow-bf16"
+        if kernels is not None and kernels.has_gemm(weight.dtype) and (
+                weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
+            self.packed_weight, self.packing = kernels.pack_weight(weight), "kvflow"
             if self.bias is not None:
-                self.packed_bias = self.bias.detach().to(torch.bfloat16).contiguous()
+                self.packed_bias = self.bias.detach().to(weight.dtype).contiguous()
             # Everything but x is fixed from here on: bind it once, so a call costs one ctypes hop.
-            self._gemm = functools.partial(kernels.gemm_bf16_prevalidated, packed=self.packed_weight,
+            self._gemm = functools.partial(kernels.gemm_prevalidated, packed=self.packed_weight,
                                            n=self.out_features, bias=self.packed_bias)
             return
         onednn_ok = torch.backends.mkldnn.is_available() and (
@@ -61,11 +63,11 @@ class Linear(nn.Linear):
                 pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packing == "kvflow-bf16" and x.dtype == torch.bfloat16:
+        if self.packing == "kvflow" and x.dtype == self.packed_weight.dtype:
             if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features:
                 return self._gemm(x)
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            return cpu_kernels.load().gemm_bf16(rows, self.packed_weight, self.out_features, self.packed_bias).view(
+            return cpu_kernels.load().gemm(rows, self.packed_weight, self.out_features, self.packed_bias).view(
                 *x.shape[:-1], -1)
         if self.packing == "onednn" and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

@@ -104,7 +104,7 @@ class FusedLlamaStack:
             model.embed_tokens.weight.dtype == torch.bfloat16
             and all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
             and attn.q_norm is None
-            and all(m.packing == "kvflow-bf16" for m in linears)
+            and all(m.packing == "kvflow" for m in linears)
             and all(m.bias is None for m in unbiased)
             and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in [*norms, model.norm])
             and kernels.supports(torch.bfloat16, attn.num_heads, attn.num_kv_heads, attn.head_dim)

@@ -8,7 +8,7 @@ Guards:
     (per KV head for few sequences, whole sequences for many); NaN-filled blocks behind the padding
     entries of the tables, and in the unused tail slots of each last block, prove that only a
     sequence's own tokens are read;
-  - the packed AVX512-BF16 GEMM: values, bias, ragged N, strided rows, batch invariance, bad shapes.
+  - every source compiles for CPUs other than this one (tests/layers/test_gemm.py has the GEMMs).
 """
 
 from __future__ import annotations
@@ -215,124 +215,6 @@ def test_paged_decode_attention_rejects_bad_inputs(kernels):
 
 
 # ---- bf16 GEMM on a packed weight ---------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gemm(bf16_kernels):
-    return bf16_kernels
-
-
-def bf16_randn(*shape, generator=None):
-    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
-
-
-def reference_linear(x, w, bias):
-    y = x.double() @ w.double().T
-    return y if bias is None else y + bias.double()
-
-
-def assert_bf16_close(y, ref):
-    """Within bf16 rounding of the exact result (float32 accumulation adds far less than atol)."""
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)
-
-
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("k", [64, 576])
-@pytest.mark.parametrize("n", [16, 40, 64, 200])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
-def test_gemm_bf16_matches_reference(gemm, m, n, k, with_bias):
-    g = torch.Generator().manual_seed(m * 100_000 + n * 1000 + k)
-    x, w = bf16_randn(m, k, generator=g), bf16_randn(n, k, generator=g) / math.sqrt(k)
-    bias = bf16_randn(n, generator=g) if with_bias else None
-    packed = gemm.pack_bf16_weight(w)
-    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
-    y = gemm.gemm_bf16(x, packed, n, bias)
-    assert y.shape == (m, n)
-    assert_bf16_close(y, reference_linear(x, w, bias))
-
-
-def test_pack_bf16_weight_layout(gemm):
-    """[ceil(N/16), K/2, 16, 2]: tile, k-pair, column in tile, k within pair; columns past N are zero."""
-    n, k = 20, 6
-    w = torch.arange(n * k, dtype=torch.float32).view(n, k).to(torch.bfloat16)
-    packed = gemm.pack_bf16_weight(w)
-    for col in range(32):
-        for kk in range(k):
-            expected = w[col, kk] if col < n else 0
-            assert packed[col // 16, kk // 2, col % 16, kk % 2] == expected
-
-
-def test_gemm_bf16_is_batch_invariant(gemm):
-    """Each row of a 17-row product (row blocks of 8, 8 and 1) is bitwise the row computed alone."""
-    torch.manual_seed(0)
-    m, n, k = 17, 200, 576
-    x, w, bias = bf16_randn(m, k), bf16_randn(n, k) / math.sqrt(k), bf16_randn(n)
-    packed = gemm.pack_bf16_weight(w)
-    for b in (None, bias):
-        batched = gemm.gemm_bf16(x, packed, n, b)
-        for i in range(m):
-            alone = gemm.gemm_bf16(x[i : i + 1], packed, n, b)
-            assert torch.equal(alone[0], batched[i]), f"row {i} differs when computed alone (bias={b is not None})"
-        # and any sub-batch, wherever it starts
-        assert torch.equal(gemm.gemm_bf16(x[5:14], packed, n, b), batched[5:14])
-
-
-def test_gemm_bf16_strided_rows(gemm):
-    """Rows with a stride larger than K (every other row, a column window, a transposed view)."""
-    torch.manual_seed(1)
-    n, k = 40, 64
-    w, bias = bf16_randn(n, k) / 8, bf16_randn(n)
-    packed = gemm.pack_bf16_weight(w)
-    base = bf16_randn(10, k + 13)
-    views = {
-        "every other row": base[::2, :k],
-        "column window at an odd offset": base[:, 3 : 3 + k],
-        "transposed (column-major)": bf16_randn(k, 7).t(),
-    }
-    for label, x in views.items():
-        assert not x.is_contiguous(), label
-        y = gemm.gemm_bf16(x, packed, n, bias)
-        assert torch.equal(y, gemm.gemm_bf16(x.contiguous(), packed, n, bias)), label
-        assert_bf16_close(y, reference_linear(x, w, bias))
-
-
-def test_gemm_bf16_rejects_bad_shapes(gemm):
-    w = bf16_randn(40, 64)
-    packed = gemm.pack_bf16_weight(w)
-    with pytest.raises(ValueError):  # K mismatch
-        gemm.gemm_bf16(bf16_randn(3, 62), packed, 40)
-    with pytest.raises(ValueError):  # more columns than the packed tiles hold
-        gemm.gemm_bf16(bf16_randn(3, 64), packed, 49)
-    with pytest.raises(ValueError):  # odd K cannot be packed in k-pairs
-        gemm.pack_bf16_weight(bf16_randn(40, 63))
-    with pytest.raises(ValueError):  # only bf16 weights are packed
-        gemm.pack_bf16_weight(torch.randn(40, 64))
-
-
-# Operands kvflow's own Linear never passes: each must raise ValueError or compute the right product.
-
-
-@pytest.mark.parametrize("which", ["bias", "x"])
-def test_gemm_bf16_rejects_float32_operands(gemm, which):
-    torch.manual_seed(2)
-    x, w, bias = bf16_randn(3, 64), bf16_randn(40, 64) / 8, bf16_randn(40)
-    packed = gemm.pack_bf16_weight(w)
-    ref = reference_linear(x, w, bias)
-    if which == "bias":
-        bias = bias.float()
-    else:
-        x = x.float()
-    with pytest.raises(ValueError, match="bf16"):
-        gemm.gemm_bf16(x, packed, 40, bias)
-
-
-def test_gemm_bf16_non_contiguous_bias(gemm):
-    torch.manual_seed(3)
-    x, w = bf16_randn(3, 64), bf16_randn(40, 64) / 8
-    bias = bf16_randn(80)[::2]
-    y = gemm.gemm_bf16(x, gemm.pack_bf16_weight(w), 40, bias)
-    assert_bf16_close(y, reference_linear(x, w, bias))
 
 
 @pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512", "sapphirerapids"])

@@ -1,8 +1,8 @@
 """kvflow.layers.linear: which packing `Linear.pack()` picks, and that packed outputs match F.linear.
 
 Guards:
-  - bf16 weights take kvflow's own GEMM when the kernels have AVX512-BF16 (else oneDNN, else plain),
-    float32 weights take oneDNN's prepacked weight when oneDNN is available;
+  - weights take kvflow's own GEMM when the kernels have its instructions (AVX512-BF16 for bf16,
+    AVX-512F for float32), else oneDNN's prepacked weight when oneDNN is available, else plain;
   - a packed layer's output matches F.linear on the plain weight (bf16 within rounding, float32 to
     1e-5), for one row, many rows, 3-D input, with and without bias, and really runs the packed path;
   - KVFLOW_PACKED_LINEAR=0 keeps the plain weight; `pack_linear_weights` counts each packing.
@@ -22,8 +22,8 @@ from kvflow.layers.linear import Linear, pack_linear_weights
 def expected_packing(dtype: torch.dtype, in_features: int = 64) -> str:
     """The choice `pack()` should make on this machine, from the capabilities it depends on."""
     kernels = cpu_kernels.load()
-    if dtype == torch.bfloat16 and kernels is not None and kernels.has_gemm_bf16 and in_features % 2 == 0:
-        return "kvflow-bf16"
+    if kernels is not None and kernels.has_gemm(dtype) and (dtype == torch.float32 or in_features % 2 == 0):
+        return "kvflow"
     if torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ):
@@ -57,23 +57,35 @@ def test_bf16_packing_choice():
     assert layer.packing == expected_packing(torch.bfloat16)
     kernels = cpu_kernels.load()
     if kernels is not None and kernels.has_gemm_bf16:
-        assert layer.packing == "kvflow-bf16"
+        assert layer.packing == "kvflow"
         assert layer.packed_weight.shape == (3, 32, 16, 2)  # [ceil(40/16), K/2, 16, 2]
 
 
 def test_bf16_odd_in_features_skips_kvflow_gemm():
     layer = make_linear(63, 40, True, torch.bfloat16)
     layer.pack()
-    assert layer.packing == expected_packing(torch.bfloat16, in_features=63) != "kvflow-bf16"
+    assert layer.packing == expected_packing(torch.bfloat16, in_features=63) != "kvflow"
 
 
 def test_fp32_packing_choice():
-    layer = make_linear(64, 40, True, torch.float32)
+    layer = make_linear(63, 40, True, torch.float32)  # float32 packs one k per lane: any K
     layer.pack()
-    if torch.backends.mkldnn.is_available():
-        assert layer.packing == "onednn" and layer.packed_weight is not None
-    else:
-        assert layer.packing == "plain"
+    assert layer.packing == expected_packing(torch.float32, in_features=63)
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.has_gemm_f32:
+        assert layer.packing == "kvflow" and layer.packed_weight.shape == (3, 63, 16)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fp32_without_kvflow_gemm_falls_back_to_onednn(monkeypatch, bias):
+    """No kernels: float32 takes oneDNN's prepacked weight, equal to F.linear up to summation order."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    layer = make_linear(96, 40, bias, torch.float32)
+    layer.pack()
+    assert layer.packing == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
+    x = torch.randn(2, 5, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1,), (33,), (2, 5)], ids=["1row", "33rows", "3d"])
@@ -104,13 +116,14 @@ def test_packed_output_matches_f_linear(monkeypatch, dtype, bias, shape):
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_bf16_rows_do_not_depend_on_batch():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_packed_rows_do_not_depend_on_batch(dtype):
     """The kvflow GEMM's promise: a token's output is the same alone or batched."""
-    if expected_packing(torch.bfloat16) != "kvflow-bf16":
-        pytest.skip("this CPU has no AVX512-BF16: kvflow's bf16 GEMM is not built for it")
-    layer = make_linear(96, 40, True, torch.bfloat16)
+    if expected_packing(dtype) != "kvflow":
+        pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} GEMM")
+    layer = make_linear(96, 40, True, dtype)
     layer.pack()
-    x = torch.randn(17, 96).to(torch.bfloat16)
+    x = torch.randn(17, 96).to(dtype)
     with torch.no_grad():
         batched = layer(x)
         for i in range(x.shape[0]):

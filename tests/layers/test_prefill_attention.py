@@ -1,15 +1,18 @@
-"""The bf16 paged prefill attention kernel (csrc/prefill_attention.cpp) against a float64 reference.
+"""The paged prefill attention kernel (csrc/prefill_attention.cpp) against a float64 reference,
+in bf16 and float32.
 
 Guards:
-  - `supports_prefill`: bf16 only, AVX512-BF16, head_dim a multiple of 16 up to 256;
+  - `supports_prefill`: where the dtype's GEMM runs (AVX512-BF16 for bf16, AVX-512F for float32),
+    head_dim a multiple of 16 up to 256;
   - causal attention of each chunk over everything its sequence has cached so far: query i of a
     chunk at absolute position context + i sees keys 0..context + i. Several chunks per call: fresh
     prompts (context 0) of 1, 17, 100 and 300 tokens, and chunks over cached context (37 after 50,
     70 after 17, 1 after 200), for GQA group sizes 1, 3, 4, head_dim 64 and 128 and block sizes 1,
     16 and 32, through shuffled block tables; every pool slot no sequence owns is NaN, as is the
     padding of each table row, and no NaN may reach the output;
-  - the kernel rounds probabilities to bf16, so it is compared with a 2e-2 absolute tolerance on
-    unit-variance inputs, and must be about as accurate as the PyTorch path (within a factor 2);
+  - in bf16 the kernel rounds probabilities to bf16, so it is compared with a 2e-2 absolute
+    tolerance on unit-variance inputs (float32: 1e-4), and must be about as accurate as the
+    PyTorch path (within a factor 2);
   - through `CPUAttentionBackend(use_kernels=True).forward` on a mixed step (decodes first, then
     prefill chunks) with q/k/v as row-strided views of one fused QKV tensor: decode and prefill
     rows both match the reference.
@@ -26,16 +29,20 @@ from kvflow.layers import cpu_kernels
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
+DTYPES = pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+ATOL = {BF16: 2e-2, F32: 1e-4}
 # (tokens already cached, new tokens this step), one entry per sequence.
 CHUNKS = [(0, 1), (0, 17), (0, 100), (0, 300), (50, 37), (17, 70), (200, 1)]
 
 
 
 
-@pytest.fixture(scope="module")
-def prefill(bf16_kernels) -> cpu_kernels.CPUKernels:
-    return bf16_kernels
+@pytest.fixture
+def prefill(kernels, dtype) -> cpu_kernels.CPUKernels:
+    if not kernels.supports_prefill(dtype, 4, 2, 64):
+        pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} prefill attention")
+    return kernels
 
 
 @dataclass
@@ -50,7 +57,7 @@ class Step:
     full_v: list[torch.Tensor]
 
 
-def build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decodes=0, seed=0) -> Step:
+def build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decodes=0, seed=0, dtype=BF16) -> Step:
     """A step over `chunks` in a NaN-filled pool with shuffled block tables (as the model runner
     builds it: slot of token t = table[t // block_size] * block_size + t % block_size)."""
     g = torch.Generator().manual_seed(seed)
@@ -64,14 +71,14 @@ def build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decode
     for s, n in enumerate(owned):
         tables[s, :n] = perm[start : start + n]
         start += n
-    kv_cache = torch.full((2, sum(owned) + num_nan, block_size, num_kv_heads, head_dim), float("nan"), dtype=BF16)
+    kv_cache = torch.full((2, sum(owned) + num_nan, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
 
     def slots(s: int, positions) -> torch.Tensor:
         pos = torch.as_tensor(list(positions), dtype=torch.int64)
         return tables[s, pos // block_size] * block_size + pos % block_size
 
     total = sum(new for _, new in chunks)
-    qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(BF16)
+    qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(total, num_heads, head_dim)
@@ -82,8 +89,8 @@ def build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decode
     for s, (cached, new) in enumerate(chunks):
         a = query_start[-1]
         query_start.append(a + new)
-        ck = torch.randn(cached, num_kv_heads, head_dim, generator=g).to(BF16)
-        cv = torch.randn(cached, num_kv_heads, head_dim, generator=g).to(BF16)
+        ck = torch.randn(cached, num_kv_heads, head_dim, generator=g).to(dtype)
+        cv = torch.randn(cached, num_kv_heads, head_dim, generator=g).to(dtype)
         flat[0, slots(s, range(cached))] = ck
         flat[1, slots(s, range(cached))] = cv
         full_k.append(torch.cat([ck, k[a : a + new]]))
@@ -130,7 +137,8 @@ def test_supports_prefill(kernels):
     assert kernels.supports_prefill(BF16, 12, 4, 64) == ok
     assert kernels.supports_prefill(BF16, 8, 8, 128) == ok
     assert kernels.supports_prefill(BF16, 8, 2, 256) == ok
-    assert not kernels.supports_prefill(torch.float32, 8, 2, 64)  # bf16 only
+    assert kernels.supports_prefill(F32, 8, 2, 64) == kernels.has_gemm_f32
+    assert not kernels.supports_prefill(torch.float16, 8, 2, 64)
     assert not kernels.supports_prefill(BF16, 6, 2, 40)  # head_dim not a multiple of 16
     assert not kernels.supports_prefill(BF16, 6, 2, 272)  # beyond 256
     assert not kernels.supports_prefill(BF16, 6, 4, 64)  # heads not a multiple of KV heads
@@ -146,18 +154,19 @@ SHAPES = [
 ]
 
 
+@DTYPES
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", SHAPES)
-def test_paged_prefill_attention_matches_reference(prefill, num_heads, num_kv_heads, head_dim, block_size):
-    step = build_step(CHUNKS, num_heads, num_kv_heads, head_dim, block_size, seed=head_dim + block_size)
+def test_paged_prefill_attention_matches_reference(prefill, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    step = build_step(CHUNKS, num_heads, num_kv_heads, head_dim, block_size, seed=head_dim + block_size, dtype=dtype)
     scale = head_dim**-0.5
     cache = write_new_kv(step)
     meta = step.meta
-    out = torch.full(step.q.shape, float("nan"), dtype=BF16)
+    out = torch.full(step.q.shape, float("nan"), dtype=dtype)
     prefill.paged_prefill_attention(step.q, cache[0], cache[1], meta.block_tables, meta.query_start_tensor,
                                     meta.seq_lens_tensor, out, scale)  # q as a row-strided view
     assert not torch.isnan(out).any(), "NaN in the output: a row was not written, or an unowned slot was read"
     ref = reference(step, scale)
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=ATOL[dtype])
 
     # About as accurate as the PyTorch path (SDPA for fresh prompts, float32 scores over context).
     torch_out = CPUAttentionBackend(use_kernels=False).forward(step.q, step.k, step.v, step.kv_cache.clone(), meta, scale)
@@ -167,19 +176,22 @@ def test_paged_prefill_attention_matches_reference(prefill, num_heads, num_kv_he
     # A sequence's rows depend only on that sequence: the same chunk alone gives the same bits.
     s = 4  # the chunk of 37 over 50 cached tokens
     a, b = meta.query_start_loc[s], meta.query_start_loc[s + 1]
-    alone = torch.full((b - a, num_heads, head_dim), float("nan"), dtype=BF16)
+    alone = torch.full((b - a, num_heads, head_dim), float("nan"), dtype=dtype)
     prefill.paged_prefill_attention(step.q[a:b], cache[0], cache[1], meta.block_tables[s : s + 1].contiguous(),
                                     torch.tensor([0, b - a]), meta.seq_lens_tensor[s : s + 1], alone, scale)
     assert torch.equal(alone, out[a:b])
 
 
-def test_paged_prefill_attention_rejects_bad_inputs(prefill):
+@pytest.mark.parametrize("dtype", [BF16], ids=["bf16"])
+def test_paged_prefill_attention_rejects_bad_inputs(prefill, dtype):
     step = build_step([(3, 5)], 4, 2, 64, 4)
     cache, meta = write_new_kv(step), step.meta
     out = torch.empty(step.q.shape, dtype=BF16)
     args = (cache[0], cache[1], meta.block_tables, meta.query_start_tensor, meta.seq_lens_tensor)
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="share one dtype"):  # float32 q and out over bf16 caches
         prefill.paged_prefill_attention(step.q.float(), *args, out.float(), 0.125)
+    with pytest.raises(ValueError, match="share one dtype"):
+        prefill.paged_prefill_attention(step.q.half(), cache[0].half(), cache[1].half(), *args[2:], out.half(), 0.125)
     with pytest.raises(ValueError, match="contiguous heads"):
         prefill.paged_prefill_attention(step.q.transpose(0, 1).contiguous().transpose(0, 1), *args, out, 0.125)
     with pytest.raises(ValueError, match="int64"):
@@ -193,12 +205,14 @@ def test_paged_prefill_attention_rejects_bad_inputs(prefill):
                                         torch.empty(odd.q.shape, dtype=BF16), 0.125)
 
 
+@DTYPES
 @pytest.mark.parametrize("block_size", [16, 1])
-def test_backend_mixed_step_in_bf16(prefill, monkeypatch, block_size):
+def test_backend_mixed_step(prefill, dtype, monkeypatch, block_size):
     """Decodes then prefill chunks through the kernel backend, q/k/v as views of a fused QKV."""
     chunks = [(20, 1), (70, 1), (0, 100), (50, 37), (0, 33), (17, 300)]
     num_heads, num_kv_heads, head_dim, scale = 9, 3, 64, 0.125
-    step = build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decodes=2, seed=block_size)
+    step = build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decodes=2, seed=block_size,
+                      dtype=dtype)
     assert step.q.stride(0) == step.qkv.shape[1] and not step.q.is_contiguous()
 
     backend = CPUAttentionBackend(use_kernels=True)
@@ -208,20 +222,21 @@ def test_backend_mixed_step_in_bf16(prefill, monkeypatch, block_size):
     cache = step.kv_cache.clone()
     out = backend.forward(step.q, step.k, step.v, cache, step.meta, scale)
     assert calls == [1], "the prefill chunks did not go through the kernel"
-    assert out.shape == step.q.shape and out.dtype == BF16 and not torch.isnan(out).any()
+    assert out.shape == step.q.shape and out.dtype == dtype and not torch.isnan(out).any()
     # The step's K/V landed where mapped (write_kv on views of the fused QKV), nothing else moved.
     torch.testing.assert_close(cache, write_new_kv(step), rtol=0, atol=0, equal_nan=True)
 
     ref = reference(step, scale)
     nd = step.meta.num_decodes
-    torch.testing.assert_close(out[:nd].double(), ref[:nd], rtol=0, atol=2e-2, msg="decode rows")
-    torch.testing.assert_close(out[nd:].double(), ref[nd:], rtol=0, atol=2e-2, msg="prefill rows")
+    torch.testing.assert_close(out[:nd].double(), ref[:nd], rtol=0, atol=ATOL[dtype], msg="decode rows")
+    torch.testing.assert_close(out[nd:].double(), ref[nd:], rtol=0, atol=ATOL[dtype], msg="prefill rows")
     torch_out = CPUAttentionBackend(use_kernels=False).forward(step.q, step.k, step.v, step.kv_cache.clone(), step.meta,
                                                                scale)
     assert (out.double() - ref).abs().max() <= 2 * (torch_out.double() - ref).abs().max()
 
 
-def test_backend_falls_back_when_heads_are_not_contiguous(prefill):
+@pytest.mark.parametrize("dtype", [BF16], ids=["bf16"])
+def test_backend_falls_back_when_heads_are_not_contiguous(prefill, dtype):
     """Inputs the kernels do not take (heads strided apart) go through the PyTorch path, not an error."""
     step = build_step([(0, 5), (3, 4)], 4, 2, 64, 4)
     heads_apart = lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731

@@ -1,0 +1,62 @@
+// The register-blocked AVX-512 float32 product behind kvflow's float32 GEMM (the float32
+// twin of dpbf16.h).
+//
+// out[m, j*16 + lane] = sum_k x[m, k] * W[j][k][lane]   (one FMA per k, in k order)
+// x: MT rows of float32, rows `x_stride` apart, one broadcast per (row, k).
+// W: NT tiles of a packed weight, each [k][16] float32, tiles `tile_stride` apart: one
+// 64-byte load feeds MT FMAs. All MT x NT accumulators stay in registers;
+// `store(m, j, acc)` receives each finished 16-column accumulator.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace kvflow {
+
+constexpr int64_t kPrefetchK = 16;  // 1 KiB ahead in each weight stream
+
+template <int MT, int NT, typename Store>
+inline void fma_f32_block(const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride, int64_t k,
+                          Store& store) {
+    __m512 acc[MT][NT];
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; ++kk) {
+        __m512 w[NT];
+        for (int j = 0; j < NT; ++j) {
+            const float* src = tile0 + j * tile_stride + kk * 16;
+            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchK * 16), _MM_HINT_T0);
+            w[j] = _mm512_loadu_ps(src);
+        }
+        for (int m = 0; m < MT; ++m) {
+            const __m512 xb = _mm512_set1_ps(x[m * x_stride + kk]);
+            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+        }
+    }
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
+}
+
+// Any row count up to kMaxBlockRows, dispatched to a fully unrolled block.
+template <int NT, typename Store>
+inline void fma_f32_rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
+                         int64_t k, Store& store) {
+    switch (rows) {
+        case 1: fma_f32_block<1, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 2: fma_f32_block<2, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 3: fma_f32_block<3, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 4: fma_f32_block<4, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 5: fma_f32_block<5, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 6: fma_f32_block<6, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 7: fma_f32_block<7, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 8: fma_f32_block<8, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        default: break;
+    }
+}
+
+}  // namespace kvflow
+#endif

@@ -1,0 +1,151 @@
+// GEMM for every linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation,
+// in bf16 (AVX512-BF16) and in float32 (AVX-512F).
+//
+// At the 1-32 rows of a decode step a linear layer is a stream over its weight, and
+// PyTorch's oneDNN path leaves much of the memory bandwidth unused there. These kernels read
+// a weight packed once at load time so that one 64-byte load feeds one instruction per row:
+//   bf16:    [ceil(N/16)][K/2][16][2] bf16, for `vdpbf16ps` (16 columns x 2 consecutive k);
+//            K must be even;
+//   float32: [ceil(N/16)][K][16] float32, for `vfmadd` (16 columns x 1 k).
+// Columns past N are zero. Every output element is summed in the same order whatever M is,
+// so results do not depend on how many rows share the step.
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <omp.h>
+
+#include "dpbf16.h"
+#include "fma_f32.h"
+#include "kernels.h"
+
+namespace {
+
+constexpr int kTileCols = 16, kNT = 2;
+
+// Packing is plain C++ and runs on every machine. KGroup consecutive k share a lane: 2 for
+// bf16 (the pairs vdpbf16ps takes), 1 for float32.
+template <typename T, int KGroup>
+void pack_weight(const T* w, int64_t n, int64_t k, T* packed) {
+    const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / KGroup;
+#pragma omp parallel for
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+        T* dst = packed + tile * groups * kTileCols * KGroup;
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t lane = 0; lane < kTileCols; ++lane) {
+                const int64_t col = tile * kTileCols + lane;
+                for (int64_t e = 0; e < KGroup; ++e)
+                    dst[(g * kTileCols + lane) * KGroup + e] = col < n ? w[col * k + KGroup * g + e] : T(0);
+            }
+    }
+}
+
+// Columns are split across threads in chunks of kNT tiles; each chunk's weight slice
+// (32 columns x K) stays in cache while every row block of x passes over it.
+// `block(r, rows, n0, full)` runs one row block against the chunk starting at column n0
+// (`full`: all kNT tiles exist).
+template <typename Block>
+void for_each_block(int64_t m, int64_t n, Block block) {
+    const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n0 = c * kTileCols * kNT;
+        const bool full = (n - n0 + kTileCols - 1) / kTileCols >= kNT;
+        for (int64_t r = 0; r < m; r += kvflow::kMaxBlockRows)
+            block(r, m - r < kvflow::kMaxBlockRows ? m - r : kvflow::kMaxBlockRows, n0, full);
+    }
+}
+
+#if defined(__AVX512F__)
+// Writes one 16-column float32 accumulator of a row block: + bias, masked at N, rounded to
+// the output dtype.
+template <typename Dt>
+struct StoreRow {
+    typename Dt::T* y;
+    int64_t y_stride, n0, n;
+    const typename Dt::T* bias;
+    inline void operator()(int m, int j, __m512 acc) const {
+        const int64_t col = n0 + j * kTileCols;
+        if (col >= n) return;
+        const __mmask16 mask = kvflow::tail_mask(n - col);
+        if constexpr (std::is_same_v<Dt, kvflow::F32>) {
+            if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + col));
+            _mm512_mask_storeu_ps(y + m * y_stride + col, mask, acc);
+        } else {
+#if defined(__AVX512BF16__)
+            if (bias != nullptr) {
+                const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
+                acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+            }
+            _mm256_mask_storeu_epi16(y + m * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+#endif
+        }
+    }
+};
+#endif
+
+}  // namespace
+
+extern "C" {
+
+void kvflow_pack_bf16_weight(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+    pack_weight<uint16_t, 2>(w, n, k, packed);
+}
+
+void kvflow_pack_f32_weight(const float* w, int64_t n, int64_t k, float* packed) {
+    pack_weight<float, 1>(w, n, k, packed);
+}
+
+#if defined(__AVX512BF16__)
+int kvflow_has_gemm_bf16() { return 1; }
+#else
+int kvflow_has_gemm_bf16() { return 0; }
+#endif
+
+#if defined(__AVX512F__)
+int kvflow_has_gemm_f32() { return 1; }
+#else
+int kvflow_has_gemm_f32() { return 0; }
+#endif
+
+int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
+                     const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+#if defined(__AVX512BF16__)
+    if (k % 2 != 0) return -1;
+    const int64_t pairs = k / 2, tile_stride = pairs * 32;
+    for_each_block(m, n, [&](int64_t r, int64_t rows, int64_t n0, bool full) {
+        StoreRow<kvflow::BF16> store{y + r * y_stride, y_stride, n0, n, bias};
+        const uint16_t* tile0 = packed + (n0 / kTileCols) * tile_stride;
+        if (full)
+            kvflow::dpbf16_rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, store);
+        else
+            kvflow::dpbf16_rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, store);
+    });
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
+    return -2;
+#endif
+}
+
+int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
+                    const float* bias, float* y, int64_t y_stride) {
+#if defined(__AVX512F__)
+    const int64_t tile_stride = k * kTileCols;
+    for_each_block(m, n, [&](int64_t r, int64_t rows, int64_t n0, bool full) {
+        StoreRow<kvflow::F32> store{y + r * y_stride, y_stride, n0, n, bias};
+        const float* tile0 = packed + (n0 / kTileCols) * tile_stride;
+        if (full)
+            kvflow::fma_f32_rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k, store);
+        else
+            kvflow::fma_f32_rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k, store);
+    });
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
+    return -2;
+#endif
+}
+
+}  // extern "C"

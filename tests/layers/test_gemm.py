@@ -1,0 +1,155 @@
+"""kvflow's packed GEMMs (csrc/gemm.cpp) against a float64 reference, in bf16 and float32.
+
+Guards, for each dtype the CPU supports (bf16 needs AVX512-BF16, float32 AVX-512F):
+  - values with and without bias over row counts on both sides of the 8-row register block,
+    ragged N (a half tile, an odd tile count) and two K;
+  - the packed layout itself;
+  - batch invariance: each row is bitwise the row computed alone, or in any sub-batch;
+  - strided rows and a non-contiguous bias give the contiguous result;
+  - bad shapes and mixed dtypes raise ValueError rather than reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+@pytest.fixture
+def gemm(kernels, dtype):
+    if not kernels.has_gemm(dtype):
+        pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} GEMM")
+    return kernels
+
+
+def randn(*shape, dtype, generator=None):
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def reference_linear(x, w, bias):
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def assert_close_to_exact(y, ref, dtype):
+    """Within a rounding of the output dtype from the exact product (float32 accumulation adds
+    far less than the tolerances)."""
+    assert y.dtype == dtype
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)
+    else:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@DTYPES
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("n", [16, 40, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+def test_gemm_matches_reference(gemm, dtype, m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 100_000 + n * 1000 + k)
+    x, w = randn(m, k, dtype=dtype, generator=g), randn(n, k, dtype=dtype, generator=g) / math.sqrt(k)
+    bias = randn(n, dtype=dtype, generator=g) if with_bias else None
+    packed = gemm.pack_weight(w)
+    expected_shape = (-(-n // 16), k // 2, 16, 2) if dtype == torch.bfloat16 else (-(-n // 16), k, 16)
+    assert packed.shape == expected_shape and packed.dtype == dtype
+    y = gemm.gemm(x, packed, n, bias)
+    assert y.shape == (m, n)
+    assert_close_to_exact(y, reference_linear(x, w, bias), dtype)
+
+
+@DTYPES
+def test_pack_weight_layout(gemm, dtype):
+    """bf16 [ceil(N/16), K/2, 16, 2]: tile, k-pair, column in tile, k within pair;
+    float32 [ceil(N/16), K, 16]: tile, k, column in tile. Columns past N are zero."""
+    n, k = 20, 6
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k).to(dtype)
+    packed = gemm.pack_weight(w)
+    for col in range(32):
+        for kk in range(k):
+            expected = w[col, kk] if col < n else 0
+            got = packed[col // 16, kk // 2, col % 16, kk % 2] if dtype == torch.bfloat16 else packed[col // 16, kk, col % 16]
+            assert got == expected, (col, kk)
+
+
+@DTYPES
+def test_gemm_is_batch_invariant(gemm, dtype):
+    """Each row of a 17-row product (row blocks of 8, 8 and 1) is bitwise the row computed alone."""
+    torch.manual_seed(0)
+    m, n, k = 17, 200, 576
+    x, w, bias = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / math.sqrt(k), randn(n, dtype=dtype)
+    packed = gemm.pack_weight(w)
+    for b in (None, bias):
+        batched = gemm.gemm(x, packed, n, b)
+        for i in range(m):
+            alone = gemm.gemm(x[i : i + 1], packed, n, b)
+            assert torch.equal(alone[0], batched[i]), f"row {i} differs when computed alone (bias={b is not None})"
+        # and any sub-batch, wherever it starts
+        assert torch.equal(gemm.gemm(x[5:14], packed, n, b), batched[5:14])
+
+
+@DTYPES
+def test_gemm_strided_rows(gemm, dtype):
+    """Rows with a stride larger than K (every other row, a column window, a transposed view)."""
+    torch.manual_seed(1)
+    n, k = 40, 64
+    w, bias = randn(n, k, dtype=dtype) / 8, randn(n, dtype=dtype)
+    packed = gemm.pack_weight(w)
+    base = randn(10, k + 13, dtype=dtype)
+    views = {
+        "every other row": base[::2, :k],
+        "column window at an odd offset": base[:, 3 : 3 + k],
+        "transposed (column-major)": randn(k, 7, dtype=dtype).t(),
+    }
+    for label, x in views.items():
+        assert not x.is_contiguous(), label
+        y = gemm.gemm(x, packed, n, bias)
+        assert torch.equal(y, gemm.gemm(x.contiguous(), packed, n, bias)), label
+        assert_close_to_exact(y, reference_linear(x, w, bias), dtype)
+
+
+@DTYPES
+def test_gemm_non_contiguous_bias(gemm, dtype):
+    torch.manual_seed(3)
+    x, w = randn(3, 64, dtype=dtype), randn(40, 64, dtype=dtype) / 8
+    bias = randn(80, dtype=dtype)[::2]
+    y = gemm.gemm(x, gemm.pack_weight(w), 40, bias)
+    assert_close_to_exact(y, reference_linear(x, w, bias), dtype)
+
+
+@DTYPES
+def test_gemm_rejects_bad_shapes(gemm, dtype):
+    packed = gemm.pack_weight(randn(40, 64, dtype=dtype))
+    with pytest.raises(ValueError, match="does not fit"):  # K mismatch
+        gemm.gemm(randn(3, 62, dtype=dtype), packed, 40)
+    with pytest.raises(ValueError, match="does not fit"):  # more columns than the packed tiles hold
+        gemm.gemm(randn(3, 64, dtype=dtype), packed, 49)
+    with pytest.raises(ValueError, match="does not fit"):  # not a matrix
+        gemm.gemm(randn(2, 3, 64, dtype=dtype), packed, 40)
+
+
+def test_pack_weight_rejects_what_it_cannot_pack(kernels):
+    with pytest.raises(ValueError, match="K even"):  # odd K cannot be packed in bf16 k-pairs
+        kernels.pack_weight(randn(40, 63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float16"):
+        kernels.pack_weight(randn(40, 64, dtype=torch.float16))
+
+
+@DTYPES
+@pytest.mark.parametrize("which", ["bias", "x"])
+def test_gemm_rejects_mixed_dtypes(gemm, dtype, which):
+    """Operands kvflow's own Linear never passes: a bias or x of the other dtype is refused."""
+    torch.manual_seed(2)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    x, w, bias = randn(3, 64, dtype=dtype), randn(40, 64, dtype=dtype) / 8, randn(40, dtype=dtype)
+    packed = gemm.pack_weight(w)
+    if which == "bias":
+        bias = bias.to(other)
+    else:
+        x = x.to(other)
+    with pytest.raises(ValueError, match="share one dtype"):
+        gemm.gemm(x, packed, 40, bias)

@@ -1,4 +1,4 @@
-// A Llama-family decoder stack in bf16, all layers in one call.
+// A Llama-family decoder stack in bf16 or float32, all layers in one call.
 //
 // The Python modules of kvflow/models/llama.py run the same kernels one op at a time; at a
 // decode step each op is microseconds of work behind microseconds of Python (module calls,
@@ -9,7 +9,7 @@
 // Keep the two in step: a change to LlamaDecoderLayer.forward's order of ops is a change here
 // (tests/models/test_llama_fused.py fails otherwise).
 //
-// Per layer, on T tokens (rows) of the flat batch:
+// Per layer, on the step's tokens (rows of the flat batch):
 //   h   = rmsnorm(residual += x)              (layer 0: residual = x, h = rmsnorm(x))
 //   qkv = h @ Wqkv^T (+ bias)                 q/k rotated in place, k/v written to the paged cache
 //   a   = attention: decodes first, then prefill chunks over the paged cache
@@ -32,25 +32,27 @@
 
 extern "C" {
 
-// One layer's weights (packed by kvflow_pack_bf16_weight) and its KV cache; fixed after load.
+// One layer's weights (packed by kvflow_pack_*_weight, in the stack's dtype) and its KV cache;
+// fixed after load.
 struct KvflowLlamaLayer {
-    const uint16_t* input_norm;
-    const uint16_t* qkv;
-    const uint16_t* qkv_bias;  // may be null
-    const uint16_t* o_proj;
-    const uint16_t* post_norm;
-    const uint16_t* gate_up;
-    const uint16_t* down;
-    uint16_t* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
-    uint16_t* value_cache;
+    const void* input_norm;
+    const void* qkv;
+    const void* qkv_bias;  // may be null
+    const void* o_proj;
+    const void* post_norm;
+    const void* gate_up;
+    const void* down;
+    void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+    void* value_cache;
 };
 
 struct KvflowLlamaShape {
+    int64_t dtype;  // 0 = float32, 1 = bfloat16: weights, activations and KV caches alike
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, max_position;
     float eps, scale;
     const float* cos;  // [max_position, head_dim] float32 rotary tables
     const float* sin;
-    const uint16_t* final_norm;
+    const void* final_norm;
 };
 
 // One step's flat batch: decodes first, then prefill chunks (as the model runner builds it).
@@ -64,52 +66,77 @@ struct KvflowStep {
     const int64_t* query_start;  // [num_seqs + 1]
 };
 
-// x [tokens, hidden]: the embeddings in; used as the residual stream (overwritten).
-// out [tokens, hidden]: the final normed hidden states.
-int kvflow_llama_forward_bf16(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step,
-                              uint16_t* x, uint16_t* out) {
-    const int64_t T = step->tokens, H = shape->hidden, D = shape->head_dim, inter = shape->intermediate;
+}  // extern "C"
+
+namespace {
+
+inline int gemm(const uint16_t* x, int64_t m, int64_t k, const void* packed, int64_t n, const void* bias,
+                uint16_t* y) {
+    return kvflow_gemm_bf16(x, m, k, k, static_cast<const uint16_t*>(packed), n,
+                            static_cast<const uint16_t*>(bias), y, n);
+}
+
+inline int gemm(const float* x, int64_t m, int64_t k, const void* packed, int64_t n, const void* bias, float* y) {
+    return kvflow_gemm_f32(x, m, k, k, static_cast<const float*>(packed), n, static_cast<const float*>(bias), y, n);
+}
+
+template <typename T>
+int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step, T* x, T* out) {
+    const int64_t tokens = step->tokens, H = shape->hidden, D = shape->head_dim, inter = shape->intermediate;
     const int64_t q_size = shape->num_heads * D, kv_size = shape->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
     const int64_t nd = step->num_decodes, num_prefills = step->num_seqs - nd;
-    constexpr int kBF16 = 1;
-    if (shape->num_layers <= 0) return -1;
-    if (T <= 0) return 0;
+    const int dt = static_cast<int>(shape->dtype);
+    if (tokens <= 0) return 0;
     // Scratch for one layer's intermediates, reused by every layer (not zeroed: all written before read).
     const int64_t widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
-    std::unique_ptr<uint16_t[]> scratch(new (std::nothrow) uint16_t[static_cast<size_t>(T * (2 * H + widest + q_size + inter))]);
+    std::unique_ptr<T[]> scratch(new (std::nothrow) T[static_cast<size_t>(tokens * (2 * H + widest + q_size + inter))]);
     if (!scratch) return -4;  // no exception may cross into ctypes
-    uint16_t* h = scratch.get();          // [T, H] normed input of a sublayer
-    uint16_t* y = h + T * H;              // [T, H] a sublayer's output
-    uint16_t* wide = y + T * H;           // [T, qkv_size] or [T, 2 * inter]
-    uint16_t* attn = wide + T * widest;   // [T, q_size]
-    uint16_t* act = attn + T * q_size;    // [T, inter]
+    T* h = scratch.get();          // [T, H] normed input of a sublayer
+    T* y = h + tokens * H;             // [T, H] a sublayer's output
+    T* wide = y + tokens * H;          // [T, qkv_size] or [T, 2 * inter]
+    T* attn = wide + tokens * widest;  // [T, q_size]
+    T* act = attn + tokens * q_size;   // [T, inter]
     for (int64_t l = 0; l < shape->num_layers; ++l) {
         const KvflowLlamaLayer& L = layers[l];
-        KVFLOW_TRY(l == 0 ? kvflow_add_rms_norm(kBF16, x, nullptr, L.input_norm, h, T, H, shape->eps)
-                          : kvflow_add_rms_norm(kBF16, y, x, L.input_norm, h, T, H, shape->eps));
-        KVFLOW_TRY(kvflow_gemm_bf16(h, T, H, H, L.qkv, qkv_size, L.qkv_bias, wide, qkv_size));
-        uint16_t *q = wide, *k = wide + q_size, *v = k + kv_size;
-        KVFLOW_TRY(kvflow_rotary(kBF16, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
-                                 step->positions, shape->cos, shape->sin, T, D, shape->max_position));
-        kvflow_write_kv(k, qkv_size * 2, v, qkv_size * 2, L.key_cache, L.value_cache, step->slot_mapping, T,
-                        kv_size * 2);
+        KVFLOW_TRY(l == 0 ? kvflow_add_rms_norm(dt, x, nullptr, L.input_norm, h, tokens, H, shape->eps)
+                          : kvflow_add_rms_norm(dt, y, x, L.input_norm, h, tokens, H, shape->eps));
+        KVFLOW_TRY(gemm(h, tokens, H, L.qkv, qkv_size, L.qkv_bias, wide));
+        T *q = wide, *k = wide + q_size, *v = k + kv_size;
+        KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
+                                 step->positions, shape->cos, shape->sin, tokens, D, shape->max_position));
+        kvflow_write_kv(k, qkv_size * sizeof(T), v, qkv_size * sizeof(T), L.key_cache, L.value_cache,
+                        step->slot_mapping, tokens, kv_size * sizeof(T));
         if (nd > 0)
-            KVFLOW_TRY(kvflow_paged_decode_attention(kBF16, q, qkv_size, L.key_cache, L.value_cache,
+            KVFLOW_TRY(kvflow_paged_decode_attention(dt, q, qkv_size, L.key_cache, L.value_cache,
                                                      step->block_tables, step->block_table_stride, step->seq_lens,
                                                      attn, nd, shape->num_heads, shape->num_kv_heads, D,
                                                      shape->block_size, shape->scale, 0));
         if (num_prefills > 0)
             KVFLOW_TRY(kvflow_paged_prefill_attention(
-                kBF16, q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
+                dt, q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
                 step->block_table_stride, step->query_start + nd, step->seq_lens + nd, attn, q_size, num_prefills,
                 shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
-        KVFLOW_TRY(kvflow_gemm_bf16(attn, T, q_size, q_size, L.o_proj, H, nullptr, y, H));
-        KVFLOW_TRY(kvflow_add_rms_norm(kBF16, y, x, L.post_norm, h, T, H, shape->eps));
-        KVFLOW_TRY(kvflow_gemm_bf16(h, T, H, H, L.gate_up, 2 * inter, nullptr, wide, 2 * inter));
-        KVFLOW_TRY(kvflow_silu_and_mul(kBF16, wide, act, T, inter));
-        KVFLOW_TRY(kvflow_gemm_bf16(act, T, inter, inter, L.down, H, nullptr, y, H));
+        KVFLOW_TRY(gemm(attn, tokens, q_size, L.o_proj, H, nullptr, y));
+        KVFLOW_TRY(kvflow_add_rms_norm(dt, y, x, L.post_norm, h, tokens, H, shape->eps));
+        KVFLOW_TRY(gemm(h, tokens, H, L.gate_up, 2 * inter, nullptr, wide));
+        KVFLOW_TRY(kvflow_silu_and_mul(dt, wide, act, tokens, inter));
+        KVFLOW_TRY(gemm(act, tokens, inter, L.down, H, nullptr, y));
     }
-    return kvflow_add_rms_norm(kBF16, y, x, shape->final_norm, out, T, H, shape->eps);
+    return kvflow_add_rms_norm(dt, y, x, shape->final_norm, out, tokens, H, shape->eps);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [tokens, hidden]: the embeddings in; used as the residual stream (overwritten).
+// out [tokens, hidden]: the final normed hidden states.
+int kvflow_llama_forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step,
+                         void* x, void* out) {
+    if (shape->num_layers <= 0) return -1;
+    if (shape->dtype == 0) return forward(shape, layers, step, static_cast<float*>(x), static_cast<float*>(out));
+    if (shape->dtype == 1) return forward(shape, layers, step, static_cast<uint16_t*>(x), static_cast<uint16_t*>(out));
+    return -2;
 }
 
 }  // extern "C"

@@ -28,7 +28,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype argument of the C entry points
 
 
 def _cache_dir() -> Path:
@@ -123,11 +123,11 @@ class CPUKernels:
             fn.restype = ctypes.c_int
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
-        return dtype in _DTYPE_CODES
+        return dtype in DTYPE_CODES
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (
-            dtype in _DTYPE_CODES
+            dtype in DTYPE_CODES
             and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= self.max_group
             and head_dim <= self.max_head_dim
@@ -173,13 +173,13 @@ class CPUKernels:
                 raise ValueError(f"paged_decode_attention: {name} must be contiguous")
         if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
             raise ValueError("paged_decode_attention: block_tables and seq_lens must be int64")
-        if q.dtype not in _DTYPE_CODES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-            raise ValueError(f"paged_decode_attention: q and the cache must share one of {list(_DTYPE_CODES)}")
+        if q.dtype not in DTYPE_CODES or key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+            raise ValueError(f"paged_decode_attention: q and the cache must share one of {list(DTYPE_CODES)}")
         # Block ids and lengths are trusted (they come from the block manager): the kernel
         # reads exactly seq_lens[i] slots through each table row.
         out = torch.empty(q.shape, dtype=q.dtype)
         rc = self._decode(
-            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, int(portable),
         )
@@ -217,7 +217,7 @@ class CPUKernels:
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"paged_prefill_attention: {name} must be contiguous int64")
         check_rc(self.lib.kvflow_paged_prefill_attention(
-            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), query_start.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), out.stride(0),
             seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale), "paged_prefill_attention")
 
@@ -280,7 +280,7 @@ class CPUKernels:
         hidden = x.shape[-1]
         out = torch.empty_like(x)
         res_ptr = None if residual is None else residual.data_ptr()
-        check_rc(self.lib.kvflow_add_rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), res_ptr, weight.data_ptr(),
+        check_rc(self.lib.kvflow_add_rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(), res_ptr, weight.data_ptr(),
                                             out.data_ptr(), x.numel() // hidden, hidden, eps), "add_rms_norm")
         return out
 
@@ -288,7 +288,7 @@ class CPUKernels:
         """[..., 2 * inter] -> [..., inter]: silu(gate) * up."""
         inter = gate_up.shape[-1] // 2
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
-        check_rc(self.lib.kvflow_silu_and_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+        check_rc(self.lib.kvflow_silu_and_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                                             gate_up.numel() // (2 * inter), inter), "silu_and_mul")
         return out
 
@@ -307,7 +307,7 @@ class CPUKernels:
             raise ValueError("rotary_: float32 cos/sin tables and int64 positions expected")
         if cos.shape != sin.shape or cos.shape[1] != head_dim or positions.shape != (tokens,):
             raise ValueError("rotary_: tables must be [max_position, head_dim] and positions one per token")
-        rc = self.lib.kvflow_rotary(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q_heads, k.data_ptr(),
+        rc = self.lib.kvflow_rotary(DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q_heads, k.data_ptr(),
                                     k.stride(0), k.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     tokens, head_dim, cos.shape[0])
         check_rc(rc, "rotary_", max_position=cos.shape[0])
@@ -343,7 +343,7 @@ def for_tensors(*tensors: torch.Tensor) -> CPUKernels | None:
     if kernels is None:
         return None
     dtype = tensors[0].dtype
-    if dtype not in _DTYPE_CODES:
+    if dtype not in DTYPE_CODES:
         return None
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():

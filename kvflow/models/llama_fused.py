@@ -1,17 +1,17 @@
-"""The Llama decoder stack in one C++ call: bf16 on CPUs with AVX512-BF16.
+"""The Llama decoder stack in one C++ call: bf16 on CPUs with AVX512-BF16, float32 on AVX-512.
 
 `LlamaForCausalLM`'s modules run kvflow's CPU kernels one op at a time. At a decode step
 each op is microseconds of work behind microseconds of Python (module calls, views,
 allocations, ctypes): about 4 ms a step for SmolLM2's 30 layers, a third of a batch-1
 step. `FusedLlamaStack` hands the same kernels, in the same order, to
-`kvflow_llama_forward_bf16` (csrc/llama_forward.cpp) once per step, so its output is bit
-for bit the modules' (tests/models/test_llama_fused.py compares them).
+`kvflow_llama_forward` (csrc/llama_forward.cpp) once per step, so its output is bit for
+bit the modules' (tests/models/test_llama_fused.py compares them).
 
 It is built once after the weights are packed, and only where every op has its kernel:
-bf16 weights packed for kvflow's GEMM, no per-head q/k norm, the CPU attention backend with
-its kernels, and attention shapes the decode and prefill kernels take. Anything else
-(float32, other CPUs, KVFLOW_FUSED_STACK=0) keeps the module path, and so does a step whose
-tensors don't fit (logged once): `steps_run` / `steps_declined` count both.
+weights packed for kvflow's GEMM (bf16 or float32), no per-head q/k norm, the CPU attention
+backend with its kernels, and attention shapes the decode and prefill kernels take.
+Anything else (other dtypes, other CPUs, KVFLOW_FUSED_STACK=0) keeps the module path, and so
+does a step whose tensors don't fit (logged once): `steps_run` / `steps_declined` count both.
 
 The order of ops mirrors `LlamaDecoderLayer.forward`; `build` must refuse any model feature
 the C++ does not implement (it lists them: q/k norm, biases outside QKV).
@@ -42,7 +42,7 @@ class _Layer(ctypes.Structure):  # KvflowLlamaLayer
 
 
 class _Shape(ctypes.Structure):  # KvflowLlamaShape
-    _fields_ = [*((name, _i64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
+    _fields_ = [*((name, _i64) for name in ("dtype", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                              "intermediate", "block_size", "max_position")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr)]
 
@@ -62,15 +62,16 @@ class FusedLlamaStack:
         cfg = model.config
         attn = model.layers[0].self_attn
         rotary = attn.rotary
-        self._fn = kernels.lib.kvflow_llama_forward_bf16
+        self.dtype = model.embed_tokens.weight.dtype
+        self._fn = kernels.lib.kvflow_llama_forward
         self._fn.argtypes = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr]
         self._fn.restype = ctypes.c_int
         # Every tensor whose address goes to C++ is held here, so it lives as long as the stack.
         self._keep: list[torch.Tensor] = [rotary.cos_f32, rotary.sin_f32, model.norm.weight]
         self.shape = _Shape(
-            num_layers=len(model.layers), hidden=cfg.hidden_size, num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=cfg.intermediate_size,
-            block_size=0, max_position=rotary.cos_f32.shape[0], eps=model.norm.eps, scale=attn.attn.scale,
+            dtype=cpu_kernels.DTYPE_CODES[self.dtype], num_layers=len(model.layers), hidden=cfg.hidden_size,
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=cfg.intermediate_size, block_size=0, max_position=rotary.cos_f32.shape[0], eps=model.norm.eps, scale=attn.attn.scale,
             cos=rotary.cos_f32.data_ptr(), sin=rotary.sin_f32.data_ptr(), final_norm=model.norm.weight.data_ptr())
         self.layers = (_Layer * len(model.layers))()
         for entry, layer in zip(self.layers, model.layers):
@@ -89,11 +90,11 @@ class FusedLlamaStack:
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedLlamaStack | None:
-        """The fused stack when every op of this model has its bf16 kernel, else None."""
+        """The fused stack when every op of this model has its kernel in the model's dtype, else None."""
         kernels = cpu_kernels.load()
-        if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm_bf16:
+        dtype = model.embed_tokens.weight.dtype
+        if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm(dtype):
             return None
-        cfg = model.config
         attn = model.layers[0].self_attn
         unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                                           layer.mlp.down_proj)]
@@ -101,15 +102,14 @@ class FusedLlamaStack:
         norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         backends = [layer.self_attn.attn.backend for layer in model.layers]
         fits = (
-            model.embed_tokens.weight.dtype == torch.bfloat16
-            and all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
+            all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
             and attn.q_norm is None
             and all(m.packing == "kvflow" for m in linears)
             and all(m.bias is None for m in unbiased)
-            and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in [*norms, model.norm])
-            and kernels.supports(torch.bfloat16, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            and kernels.supports_prefill(torch.bfloat16, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            and cfg.hidden_size % 2 == 0 and cfg.intermediate_size % 2 == 0
+            and all(m.packed_weight.dtype == dtype for m in linears)
+            and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in [*norms, model.norm])
+            and kernels.supports(dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            and kernels.supports_prefill(dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         )
         return FusedLlamaStack(model, kernels) if fits else None
 
@@ -138,8 +138,8 @@ class FusedLlamaStack:
     def _unfit(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> str | None:
         """Why the C++ cannot take this step as it is (it trusts every shape), or None."""
         tokens, num_seqs, nd = x.shape[0], meta.num_seqs, meta.num_decodes
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
-            return "activations not contiguous bf16 rows of the hidden size"
+        if x.dtype != self.dtype or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
+            return f"activations not contiguous {self.dtype} rows of the hidden size"
         if not _int64_ok(positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
                          meta.query_start_tensor):
             return "metadata not contiguous int64"
@@ -156,7 +156,7 @@ class FusedLlamaStack:
             return True
         expected = (2, block_size, self.shape.num_kv_heads, self.shape.head_dim)
         if len(kv_caches) != len(self.layers) or not all(
-                c.dtype == torch.bfloat16 and c.is_contiguous() and (c.shape[0], *c.shape[2:]) == expected
+                c.dtype == self.dtype and c.is_contiguous() and (c.shape[0], *c.shape[2:]) == expected
                 for c in kv_caches):
             return False
         for entry, cache in zip(self.layers, kv_caches):

@@ -1,7 +1,8 @@
 """The fused decoder stack (one C++ call a step) against the module path it replaces.
 
 Both run the same kernels in the same order, so hidden states and KV caches must be equal
-bit for bit, step after step: prefill chunks, chunks over cached context, decodes, mixed.
+bit for bit, step after step: prefill chunks, chunks over cached context, decodes, mixed; in
+bf16 and in float32.
 """
 
 from __future__ import annotations
@@ -16,16 +17,25 @@ from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 from kvflow.loader import load_model, load_model_config
 
 BLOCK = 16
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+@pytest.fixture
+def dtype() -> torch.dtype:
+    """bf16 for the tests not parametrised over the dtype (DTYPES overrides this fixture)."""
+    return torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
-def _needs_bf16(bf16_kernels):
-    """The fused stack exists only where the bf16 kernels do (skips on CPUs without AVX512-BF16)."""
+def _needs_the_kernels(kernels, dtype):
+    """The fused stack exists only where the GEMM of its dtype does (bf16: AVX512-BF16)."""
+    if not kernels.has_gemm(dtype):
+        pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} GEMM")
 
 
-def _model(path: str):
+def _model(path: str, dtype: torch.dtype = torch.bfloat16):
     cfg = load_model_config(path)
-    return cfg, load_model(path, cfg, torch.bfloat16, CPUAttentionBackend())
+    return cfg, load_model(path, cfg, dtype, CPUAttentionBackend())
 
 
 def _step(seqs: list[tuple[list[int], int, int]], num_decodes: int) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -84,14 +94,14 @@ def head_dim_64_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int) -> None:
-    cfg, model = _model(path)
+def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype: torch.dtype) -> None:
+    cfg, model = _model(path, dtype)
     fused_stack = model.fused_stack
     assert fused_stack is not None, "the fused stack should apply to this model"
     caches = {}
     for name in ("fused", "modules"):
         caches[name] = [torch.full((2, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim), float("nan"),
-                                   dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
+                                   dtype=dtype) for _ in range(cfg.num_hidden_layers)]
     rng = random.Random(0)
     with torch.inference_mode():
         for i, (seqs, num_decodes) in enumerate(steps):
@@ -109,13 +119,15 @@ def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int) -> Non
     assert fused_stack.steps_declined == 0
 
 
+@DTYPES
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the QKV bias
-def test_fused_stack_equals_modules_bitwise(arch, tiny_models):
-    _assert_fused_equals_modules(tiny_models(arch)[0], STEPS, num_blocks=12)
+def test_fused_stack_equals_modules_bitwise(arch, dtype, tiny_models):
+    _assert_fused_equals_modules(tiny_models(arch)[0], STEPS, num_blocks=12, dtype=dtype)
 
 
-def test_fused_stack_equals_modules_bitwise_head_dim_64_many_sequences(head_dim_64_llama):
-    _assert_fused_equals_modules(head_dim_64_llama, _many_sequence_steps(), num_blocks=60)
+@DTYPES
+def test_fused_stack_equals_modules_bitwise_head_dim_64_many_sequences(head_dim_64_llama, dtype):
+    _assert_fused_equals_modules(head_dim_64_llama, _many_sequence_steps(), num_blocks=60, dtype=dtype)
 
 
 def test_fused_stack_declines_a_step_it_cannot_take(tiny_models):
@@ -132,12 +144,12 @@ def test_fused_stack_declines_a_step_it_cannot_take(tiny_models):
 
 
 def test_fused_stack_needs_every_kernel(tiny_models, monkeypatch):
-    """qk-norm (Qwen3), float32 and an attention backend without kernels keep the module path;
-    KVFLOW_FUSED_STACK=0 turns it off."""
+    """qk-norm (Qwen3), float16 (no kernels) and an attention backend without kernels keep the
+    module path; KVFLOW_FUSED_STACK=0 turns it off."""
     assert _model(tiny_models("qwen3")[0])[1].fused_stack is None
     path = tiny_models("llama")[0]
     cfg = load_model_config(path)
-    assert load_model(path, cfg, torch.float32, CPUAttentionBackend()).fused_stack is None
+    assert load_model(path, cfg, torch.float16, CPUAttentionBackend()).fused_stack is None
     assert load_model(path, cfg, torch.bfloat16, CPUAttentionBackend(use_kernels=False)).fused_stack is None
     monkeypatch.setenv("KVFLOW_FUSED_STACK", "0")
     assert _model(path)[1].fused_stack is None
@@ -154,7 +166,8 @@ def test_fused_stack_rejects_positions_past_the_rotary_table(tiny_models):
         model.fused_stack(x, positions, caches * cfg.num_hidden_layers, meta)
 
 
-def test_engine_output_is_the_same_fused_or_not(tiny_models, monkeypatch):
+@DTYPES
+def test_engine_output_is_the_same_fused_or_not(tiny_models, monkeypatch, dtype):
     """End to end through the scheduler (chunked prefill, batching): the same tokens either way."""
     path, _ = tiny_models("llama")
     rng = random.Random(3)
@@ -163,7 +176,7 @@ def test_engine_output_is_the_same_fused_or_not(tiny_models, monkeypatch):
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("KVFLOW_FUSED_STACK", flag)
-        llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 22, max_num_batched_tokens=48)
+        llm = LLM(path, dtype=str(dtype).removeprefix("torch."), kv_cache_memory=1 << 22, max_num_batched_tokens=48)
         stack = llm.engine.runner.model.fused_stack
         assert (stack is not None) == (flag == "1")
         outs = llm.generate(prompts, params, use_tqdm=False)

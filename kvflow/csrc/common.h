@@ -11,8 +11,9 @@
 
 namespace kvflow {
 
-// Rows of x per register block in the GEMM microkernels (dpbf16.h, fma_f32.h).
-constexpr int kMaxBlockRows = 8;
+// The most rows of x one register block of the GEMM microkernels takes (dpbf16.h, fma_f32.h:
+// 12 rows x 2 tiles = 24 accumulators of the 32 vector registers).
+constexpr int kMaxBlockRows = 12;
 
 inline float bf16_to_float(uint16_t x) {
     uint32_t bits = static_cast<uint32_t>(x) << 16;

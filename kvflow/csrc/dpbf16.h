@@ -56,6 +56,10 @@ inline void dpbf16_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const
         case 6: dpbf16_block<6, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
         case 7: dpbf16_block<7, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
         case 8: dpbf16_block<8, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 9: dpbf16_block<9, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 10: dpbf16_block<10, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 11: dpbf16_block<11, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
+        case 12: dpbf16_block<12, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
         default: break;
     }
 }

@@ -54,6 +54,10 @@ inline void fma_f32_rows(int64_t rows, const float* x, int64_t x_stride, const f
         case 6: fma_f32_block<6, NT>(x, x_stride, tile0, tile_stride, k, store); break;
         case 7: fma_f32_block<7, NT>(x, x_stride, tile0, tile_stride, k, store); break;
         case 8: fma_f32_block<8, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 9: fma_f32_block<9, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 10: fma_f32_block<10, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 11: fma_f32_block<11, NT>(x, x_stride, tile0, tile_stride, k, store); break;
+        case 12: fma_f32_block<12, NT>(x, x_stride, tile0, tile_stride, k, store); break;
         default: break;
     }
 }

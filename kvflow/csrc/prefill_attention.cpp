@@ -35,6 +35,7 @@ using kvflow::BF16;
 using kvflow::F32;
 
 constexpr int64_t kQueryBlock = 32;
+constexpr int64_t kRowBlock = 8;  // query rows per microkernel call
 constexpr int kKeyTiles = 4;  // 64 keys per scores call
 
 // What differs between the dtypes: how many consecutive k share a lane of the packed
@@ -141,8 +142,8 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
     for (int64_t g = 0; g < group; ++g) {
         const int64_t head = it.head * group + g;
         // Scores, row block by row block, each only up to its own causal limit.
-        for (int64_t r0 = 0; r0 < rows_total; r0 += kvflow::kMaxBlockRows) {
-            const int64_t rows = std::min<int64_t>(kvflow::kMaxBlockRows, rows_total - r0);
+        for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
+            const int64_t rows = std::min<int64_t>(kRowBlock, rows_total - r0);
             const int64_t limit = context + it.q0 + r0 + rows;  // keys visible to the block's last row
             const int64_t tiles = (limit + 15) / 16;
             const T* x = q + (token0 + it.q0 + r0) * q_stride + head * head_dim;
@@ -174,8 +175,8 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
             inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
         }
         // out = P V, each row block only over its visible keys.
-        for (int64_t r0 = 0; r0 < rows_total; r0 += kvflow::kMaxBlockRows) {
-            const int64_t rows = std::min<int64_t>(kvflow::kMaxBlockRows, rows_total - r0);
+        for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
+            const int64_t rows = std::min<int64_t>(kRowBlock, rows_total - r0);
             const int64_t limit = context + it.q0 + r0 + rows;
             const int64_t key_steps = (limit + G - 1) / G;
             T* orow = out + (token0 + it.q0 + r0) * out_stride + head * head_dim;

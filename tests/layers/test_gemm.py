@@ -1,8 +1,9 @@
 """kvflow's packed GEMMs (csrc/gemm.cpp) against a float64 reference, in bf16 and float32.
 
 Guards, for each dtype the CPU supports (bf16 needs AVX512-BF16, float32 AVX-512F):
-  - values with and without bias over row counts on both sides of the 8-row register block,
-    ragged N (a half tile, an odd tile count) and two K;
+  - values with and without bias over row counts that split into register blocks of every
+    size (up to 12 rows at decode sizes, 8 beyond 64 rows), ragged N (a half tile, an odd tile
+    count) and two K;
   - the packed layout itself;
   - batch invariance: each row is bitwise the row computed alone, or in any sub-batch;
   - strided rows and a non-contiguous bias give the contiguous result;
@@ -49,7 +50,7 @@ def assert_close_to_exact(y, ref, dtype):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("k", [64, 576])
 @pytest.mark.parametrize("n", [16, 40, 64, 200])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 12, 13, 17, 64, 70])
 def test_gemm_matches_reference(gemm, dtype, m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 100_000 + n * 1000 + k)
     x, w = randn(m, k, dtype=dtype, generator=g), randn(n, k, dtype=dtype, generator=g) / math.sqrt(k)
@@ -78,9 +79,10 @@ def test_pack_weight_layout(gemm, dtype):
 
 @DTYPES
 def test_gemm_is_batch_invariant(gemm, dtype):
-    """Each row of a 17-row product (row blocks of 8, 8 and 1) is bitwise the row computed alone."""
+    """Each row of a 70-row product (blocks of 8 and 7 rows) is bitwise the row computed alone, and
+    any sub-batch (17 rows: blocks of 9 and 8; 12 rows: one block) gives the same rows."""
     torch.manual_seed(0)
-    m, n, k = 17, 200, 576
+    m, n, k = 70, 200, 576
     x, w, bias = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / math.sqrt(k), randn(n, dtype=dtype)
     packed = gemm.pack_weight(w)
     for b in (None, bias):
@@ -89,7 +91,8 @@ def test_gemm_is_batch_invariant(gemm, dtype):
             alone = gemm.gemm(x[i : i + 1], packed, n, b)
             assert torch.equal(alone[0], batched[i]), f"row {i} differs when computed alone (bias={b is not None})"
         # and any sub-batch, wherever it starts
-        assert torch.equal(gemm.gemm(x[5:14], packed, n, b), batched[5:14])
+        for a, z in ((5, 22), (30, 42), (3, 68)):
+            assert torch.equal(gemm.gemm(x[a:z], packed, n, b), batched[a:z]), (a, z)
 
 
 @DTYPES

@@ -203,3 +203,27 @@ def assert_nearly_bitwise(got: torch.Tensor, expected: torch.Tensor, max_fractio
     assert ulps.max().item() <= 1, f"an element is {ulps.max().item()} bf16 ulps away{label}"
     differing = (ulps > 0).float().mean().item()
     assert differing <= max_fraction, f"{differing:.2%} of elements differ by one ulp{label}"
+
+
+def thp_mode() -> str | None:
+    """Linux's transparent huge page mode ("always", "madvise", "never"), None where unknown."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def huge_kib_under(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mappings under a tensor's memory, from /proc/self/smaps."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    inside, total = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > start
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total

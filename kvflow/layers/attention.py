@@ -14,8 +14,6 @@ KV cache layout per layer: one tensor [2, num_blocks, block_size, num_kv_heads, 
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -23,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.layers import cpu_kernels
+from kvflow.layers.memory import empty_on_huge_pages
 
 
 @dataclass
@@ -109,9 +108,7 @@ class CPUAttentionBackend(AttentionBackend):
         shuffled block table measured about 10% faster on huge pages). One allocation for all
         layers is large enough to be a fresh mapping of its own, which the hint can apply to
         (a small one may reuse heap pages already resident)."""
-        pool = torch.empty(shape, dtype=dtype)
-        advise_huge_pages(pool)  # before the first touch, which the zeroing is
-        return pool.zero_()
+        return empty_on_huge_pages(shape, dtype).zero_()
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -182,25 +179,6 @@ class CPUAttentionBackend(AttentionBackend):
         values.masked_fill_(padding.view(nd, 1, -1, 1), 0)
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).view(nd, num_heads, head_dim)
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """madvise(MADV_HUGEPAGE) the 2 MiB-aligned part of a CPU tensor's memory; True if asked.
-
-    Only a hint: with transparent huge pages off (or "never") it changes nothing."""
-    if not sys.platform.startswith("linux") or t.device.type != "cpu":
-        return False
-    start = t.data_ptr()
-    first = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-    last = (start + t.numel() * t.element_size()) & ~(_HUGE_PAGE - 1)
-    if last <= first:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
 
 
 # Above this many attention scores (heads x queries x keys) a chunk goes through SDPA's masked

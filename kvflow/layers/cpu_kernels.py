@@ -223,21 +223,31 @@ class CPUKernels:
 
     # Packed GEMMs (csrc/gemm.cpp): y = x @ W^T (+ bias) in bf16 or float32, W packed once.
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> the layout `gemm` streams: [ceil(N/16), K/2, 16, 2] for bf16 (K must be
-        even), [ceil(N/16), K, 16] for float32."""
+    @staticmethod
+    def packed_weight_shape(dtype: torch.dtype, n: int, k: int) -> tuple[int, ...]:
+        """The layout `gemm` streams for an [N, K] weight: [ceil(N/16), K/2, 16, 2] in bf16 (K
+        must be even), [ceil(N/16), K, 16] in float32."""
+        if dtype == torch.bfloat16 and k % 2 == 0:
+            return ((n + 15) // 16, k // 2, 16, 2)
+        if dtype == torch.float32:
+            return ((n + 15) // 16, k, 16)
+        raise ValueError(f"pack_weight: needs a bf16 [N, K] weight with K even or a float32 one, got {dtype} "
+                         f"[{n}, {k}]")
+
+    def pack_weight(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] -> the layout `gemm` streams (`packed_weight_shape`), into `out` when given (a
+        contiguous tensor of that shape and the weight's dtype, e.g. a slice of one buffer)."""
         n, k = weight.shape
+        shape = self.packed_weight_shape(weight.dtype, n, k)
+        if out is None:
+            out = torch.empty(shape, dtype=weight.dtype)
+        elif tuple(out.shape) != shape or out.dtype != weight.dtype or not out.is_contiguous():
+            raise ValueError(f"pack_weight: out must be a contiguous {weight.dtype} {shape}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
         weight = weight.contiguous()
-        if weight.dtype == torch.bfloat16 and k % 2 == 0:
-            packed = torch.empty(((n + 15) // 16, k // 2, 16, 2), dtype=torch.bfloat16)
-            self.lib.kvflow_pack_bf16_weight(weight.data_ptr(), n, k, packed.data_ptr())
-        elif weight.dtype == torch.float32:
-            packed = torch.empty(((n + 15) // 16, k, 16), dtype=torch.float32)
-            self.lib.kvflow_pack_f32_weight(weight.data_ptr(), n, k, packed.data_ptr())
-        else:
-            raise ValueError(f"pack_weight: needs a bf16 [N, K] weight with K even or a float32 one, got "
-                             f"{weight.dtype} {tuple(weight.shape)}")
-        return packed
+        pack = self.lib.kvflow_pack_bf16_weight if weight.dtype == torch.bfloat16 else self.lib.kvflow_pack_f32_weight
+        pack(weight.data_ptr(), n, k, out.data_ptr())
+        return out
 
     def has_gemm(self, dtype: torch.dtype) -> bool:
         return (dtype == torch.bfloat16 and self.has_gemm_bf16) or (dtype == torch.float32 and self.has_gemm_f32)

@@ -15,6 +15,7 @@ import torch
 
 from kvflow.layers import cpu_kernels
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
+from tests.conftest import huge_kib_under, thp_mode
 
 NUM_HEADS, NUM_KV_HEADS, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 4, 24
 
@@ -187,36 +188,13 @@ def test_torch_fallback_never_reads_unwritten_slots():
     assert not torch.isnan(out[: meta.num_decodes]).any()
 
 
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _huge_kib_under(t: torch.Tensor) -> int:
-    """AnonHugePages (KiB) of the mappings under a tensor's memory, from /proc/self/smaps."""
-    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    inside, total = False, 0
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > start
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1])
-    return total
-
-
 def test_kv_caches_are_one_zeroed_pool_on_huge_pages():
     """The layers' caches are views of one pool, resident and zero from the start, on 2 MiB pages."""
-    if _thp_mode() not in ("always", "madvise"):
+    if thp_mode() not in ("always", "madvise"):
         pytest.skip("transparent huge pages are off on this machine (a kernel setting, not kvflow's)")
     caches = CPUAttentionBackend().allocate_kv_caches(4, 1024, 16, 4, 64, torch.bfloat16)  # 4 x 16 MiB
     assert len(caches) == 4 and all(c.shape == (2, 1024, 16, 4, 64) and c.is_contiguous() for c in caches)
     layer_bytes = caches[0].numel() * caches[0].element_size()
     assert all(b.data_ptr() - a.data_ptr() == layer_bytes for a, b in zip(caches, caches[1:]))
     assert not any(c.any() for c in caches)
-    assert sum(_huge_kib_under(c) for c in caches) >= 32 << 10
+    assert sum(huge_kib_under(c) for c in caches) >= 32 << 10

@@ -5,7 +5,9 @@ Guards:
     AVX-512F for float32), else oneDNN's prepacked weight when oneDNN is available, else plain;
   - a packed layer's output matches F.linear on the plain weight (bf16 within rounding, float32 to
     1e-5), for one row, many rows, 3-D input, with and without bias, and really runs the packed path;
-  - KVFLOW_PACKED_LINEAR=0 keeps the plain weight; `pack_linear_weights` counts each packing.
+  - KVFLOW_PACKED_LINEAR=0 keeps the plain weight; `pack_linear_weights` counts each packing;
+  - `pack_linear_weights` packs kvflow-layout weights into one buffer per dtype, on 2 MiB pages
+    where Linux has transparent huge pages, with outputs equal to packing each one alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from kvflow.layers import cpu_kernels
 from kvflow.layers.linear import Linear, pack_linear_weights
+from tests.conftest import huge_kib_under, thp_mode
 
 
 def expected_packing(dtype: torch.dtype, in_features: int = 64) -> str:
@@ -199,3 +202,37 @@ def test_bf16_without_kvflow_gemm_falls_back_to_onednn(monkeypatch, bias):
     x = torch.randn(2, 5, 96).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_linear_weights_shares_one_huge_page_buffer(dtype):
+    if expected_packing(dtype) != "kvflow":
+        pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} GEMM")
+    torch.manual_seed(0)
+    layers = [Linear(576, 1536, bias=i == 0) for i in range(4)] + [Linear(1536, 576)]  # ~4.5 M weights
+    model = nn.ModuleList(layers).to(dtype)
+    alone = make_linear(576, 1536, True, dtype)  # the same weights, packed on their own
+    alone.load_state_dict(layers[0].state_dict())
+    alone.pack()
+    pack_linear_weights(model)
+    packed = [m.packed_weight for m in layers]
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1, "not one shared buffer"
+    assert all(p.is_contiguous() and p.data_ptr() % 64 == 0 for p in packed)
+    ends = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in packed]
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:])), "slots overlap"
+    x = torch.randn(5, 576).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(layers[0](x), alone(x))
+        assert layers[4](layers[3](x)).shape == (5, 576)
+    if thp_mode() in ("always", "madvise"):
+        whole = torch.empty(0, dtype=dtype).set_(packed[0].untyped_storage())
+        assert huge_kib_under(whole) >= 2 << 10, "the packed weights did not land on 2 MiB pages"
+
+
+def test_pack_into_a_slot_of_the_wrong_shape_is_refused(kernels):
+    if expected_packing(torch.float32) != "kvflow":
+        pytest.skip("this CPU lacks AVX-512: no kvflow float32 GEMM")
+    layer = make_linear(64, 40, False, torch.float32)
+    assert layer.kvflow_packed_shape() == (3, 64, 16)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        layer.pack(torch.empty(3, 63, 16))

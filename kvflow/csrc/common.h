@@ -39,6 +39,20 @@ struct F32 {
     static inline float round(float x) { return x; }
 };
 
+// Keys in the KV pool (kvflow/layers/kv_layout.py): per block and KV head, dimension-major
+// in 4-byte cells of kKeyGroup<T> consecutive dims, [num_kv_heads][head_dim / G][block_size][G],
+// so that one dim group of 16 consecutive keys is one 64-byte vector. Values stay
+// [block_size][num_kv_heads][head_dim].
+template <typename T>
+constexpr int64_t kKeyGroup = static_cast<int64_t>(4 / sizeof(T));
+
+// Element offset, within its block, of dim d of key t (t < block_size) of KV head h.
+template <typename T>
+inline int64_t key_offset(int64_t t, int64_t h, int64_t d, int64_t head_dim, int64_t block_size) {
+    constexpr int64_t G = kKeyGroup<T>;
+    return ((h * (head_dim / G) + d / G) * block_size + t) * G + d % G;
+}
+
 struct BF16 {
     using T = uint16_t;
     static inline float load(T x) { return bf16_to_float(x); }

@@ -17,8 +17,9 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
                      const uint16_t* bias, uint16_t* y, int64_t y_stride);
 int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
                     const float* bias, float* y, int64_t y_stride);
-void kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,
-                     void* value_cache, const int64_t* slot_mapping, int64_t tokens, int64_t row_bytes);
+int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,
+                    void* value_cache, const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t block_size, int64_t elem_bytes);
 int kvflow_paged_decode_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
                                   const void* value_cache, const int64_t* block_tables, int64_t block_table_stride,
                                   const int64_t* seq_lens, void* out, int64_t num_seqs, int64_t num_heads,

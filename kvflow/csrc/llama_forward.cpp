@@ -42,7 +42,7 @@ struct KvflowLlamaLayer {
     const void* post_norm;
     const void* gate_up;
     const void* down;
-    void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+    void* key_cache;  // [num_blocks, ...]: keys dimension-major, values token-major (common.h)
     void* value_cache;
 };
 
@@ -104,8 +104,9 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
                                  step->positions, shape->cos, shape->sin, tokens, D, shape->max_position));
-        kvflow_write_kv(k, qkv_size * sizeof(T), v, qkv_size * sizeof(T), L.key_cache, L.value_cache,
-                        step->slot_mapping, tokens, kv_size * sizeof(T));
+        KVFLOW_TRY(kvflow_write_kv(k, qkv_size * sizeof(T), v, qkv_size * sizeof(T), L.key_cache, L.value_cache,
+                                   step->slot_mapping, tokens, shape->num_kv_heads, D, shape->block_size,
+                                   sizeof(T)));
         if (nd > 0)
             KVFLOW_TRY(kvflow_paged_decode_attention(dt, q, qkv_size, L.key_cache, L.value_cache,
                                                      step->block_tables, step->block_table_stride, step->seq_lens,

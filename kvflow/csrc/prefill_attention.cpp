@@ -10,8 +10,8 @@
 // (two-pass) softmax per row and multiplies by V. In bf16 the probabilities are rounded to
 // bf16 first, as PyTorch's bf16 flash attention does; in float32 nothing is rounded.
 //
-// Layouts: q/out [tokens, num_heads, head_dim] with the given token strides; caches
-// [num_blocks, block_size, num_kv_heads, head_dim]; query_start [num_seqs + 1];
+// Layouts: q/out [tokens, num_heads, head_dim] with the given token strides; value cache
+// [num_blocks, block_size, num_kv_heads, head_dim], key cache dimension-major (common.h); query_start [num_seqs + 1];
 // seq_lens [num_seqs] = context + chunk length. head_dim must be a multiple of 16.
 
 #include <algorithm>
@@ -125,12 +125,15 @@ void pack_kv(const typename Dt::T* key_cache, const typename Dt::T* value_cache,
     const int64_t token_stride = num_kv_heads * head_dim;
     std::fill(kp, kp + padded * head_dim, T(0));
     std::fill(vp, vp + padded * head_dim, T(0));
+    const int64_t groups = head_dim / G, block_stride = block_size * token_stride;
     for (int64_t t = 0; t < keys; ++t) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* krow = key_cache + slot * token_stride + head * head_dim;
-        const T* vrow = value_cache + slot * token_stride + head * head_dim;
+        // K is dimension-major in the pool, in the same G-dim cells as here: cell g of key t.
+        const T* kcell = key_cache + table[t / block_size] * block_stride +
+                         kvflow::key_offset<T>(t % block_size, head, 0, head_dim, block_size);
         T* kdst = kp + (t / 16) * head_dim * 16 + (t % 16) * G;
-        for (int64_t d = 0; d < head_dim; ++d) kdst[(d / G) * 16 * G + d % G] = krow[d];
+        for (int64_t g = 0; g < groups; ++g) std::memcpy(kdst + g * 16 * G, kcell + g * block_size * G, 4);
+        const T* vrow = value_cache + slot * token_stride + head * head_dim;
         T* vdst = vp + (t / G) * 16 * G + t % G;
         for (int64_t d = 0; d < head_dim; ++d) vdst[(d / 16) * padded * 16 + (d % 16) * G] = vrow[d];
     }

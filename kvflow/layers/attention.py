@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers import cpu_kernels
+from kvflow.layers import cpu_kernels, kv_layout
 from kvflow.layers.memory import empty_on_huge_pages
 
 
@@ -91,10 +91,13 @@ class CPUAttentionBackend(AttentionBackend):
 
     Decodes go through kvflow's compiled kernel (`cpu_kernels`), which reads K/V in place
     through the block table; without it they are batched into two PyTorch matmuls over
-    gathered, padded blocks. Prefill chunks in bf16 go through the compiled causal kernel,
-    also reading the pool in place (first chunks and chunks over cached context alike).
+    gathered, padded blocks. Prefill chunks go through the compiled causal kernel, also
+    reading the pool in place (first chunks and chunks over cached context alike).
     Otherwise a chunk with nothing cached yet attends over its own fresh K/V with SDPA
     (no gather), and a later chunk gathers its cached context.
+
+    Keys are stored dimension-major within each block (`kv_layout`), for the decode kernel's
+    q.k; every path here reads and writes them through that module.
     """
 
     name = "cpu"
@@ -105,9 +108,7 @@ class CPUAttentionBackend(AttentionBackend):
     def _zeroed_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """On 2 MiB pages where Linux gives them: a decode step reads blocks scattered over the
         pool, and with 4 KiB pages every block costs TLB misses (decode attention over a
-        shuffled block table measured about 10% faster on huge pages). One allocation for all
-        layers is large enough to be a fresh mapping of its own, which the hint can apply to
-        (a small one may reuse heap pages already resident)."""
+        shuffled block table measured about 10% faster on huge pages)."""
         return empty_on_huge_pages(shape, dtype).zero_()
 
     def forward(self, q, k, v, kv_cache, meta, scale):
@@ -116,7 +117,7 @@ class CPUAttentionBackend(AttentionBackend):
         if self.kernels is not None and k.dtype == key_cache.dtype and cpu_kernels.heads_contiguous(k) and cpu_kernels.heads_contiguous(v):
             self.kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)  # 10x cheaper than index_copy_
         else:
-            key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            kv_layout.write_keys(key_cache, meta.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
         nd = meta.num_decodes
@@ -139,7 +140,8 @@ class CPUAttentionBackend(AttentionBackend):
             else:
                 num_blocks = -(-meta.seq_lens[i] // meta.block_size)
                 table = meta.block_tables[i, :num_blocks]
-                keys = key_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: meta.seq_lens[i]]
+                keys = kv_layout.keys_token_major(key_cache.index_select(0, table)).view(
+                    -1, num_kv_heads, head_dim)[: meta.seq_lens[i]]
                 values = value_cache.index_select(0, table).view(-1, num_kv_heads, head_dim)[: meta.seq_lens[i]]
             out[start:end] = _causal_attention(q[start:end], keys, values, context_len, scale)
         return out
@@ -169,7 +171,8 @@ class CPUAttentionBackend(AttentionBackend):
         tables = meta.block_tables[:nd, :num_blocks].reshape(-1)
         # index_select on whole blocks is several times faster than advanced indexing here;
         # heads-major contiguous K/V lets the batched matmuls run without strided fallbacks.
-        keys = key_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+        keys = kv_layout.keys_token_major(key_cache.index_select(0, tables)).view(
+            nd, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         values = value_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2).contiguous()
         group = num_heads // num_kv_heads
         qg = q.reshape(nd, num_kv_heads, group, head_dim)

@@ -98,8 +98,8 @@ class CPUKernels:
         fn.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._decode = fn
-        self.lib.kvflow_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64]
-        self.lib.kvflow_write_kv.restype = None
+        self.lib.kvflow_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        self.lib.kvflow_write_kv.restype = ctypes.c_int
         self.max_group = self.lib.kvflow_max_group()
         self.max_head_dim = self.lib.kvflow_max_head_dim()
         self.lib.kvflow_pack_bf16_weight.argtypes = [ptr, i64, i64, ptr]
@@ -135,7 +135,8 @@ class CPUKernels:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """key_cache/value_cache[slot_mapping[t]] = k[t], v[t]; k/v [T, kv_heads, head_dim] may be row-strided views."""
+        """key_cache/value_cache[slot_mapping[t]] = k[t], v[t] (keys in the pool's dimension-major
+        layout, layers/kv_layout.py); k/v [T, kv_heads, head_dim] may be row-strided views."""
         tokens, num_kv_heads, head_dim = k.shape
         for t in (k, v):
             if not heads_contiguous(t) or t.dtype != key_cache.dtype:
@@ -148,14 +149,16 @@ class CPUKernels:
             raise ValueError(f"write_kv: slot_mapping needs one slot per token ({tokens}), got {tuple(slot_mapping.shape)}")
         slot_mapping = slot_mapping.contiguous()
         size = k.element_size()
-        self.lib.kvflow_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
-                                 key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens,
-                                 num_kv_heads * head_dim * size)
+        if (head_dim * size) % 4:
+            raise ValueError(f"write_kv: a key head of {head_dim} x {size} bytes is not a whole number of 4-byte cells")
+        check_rc(self.lib.kvflow_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                                          key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens,
+                                          num_kv_heads, head_dim, key_cache.shape[1], size), "write_kv")
 
     def paged_decode_attention(
         self,
         q: torch.Tensor,  # [num_seqs, num_heads, head_dim], heads contiguous (rows may be strided)
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous (kv_layout)
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [num_seqs, >= max blocks] int64, contiguous
         seq_lens: torch.Tensor,  # [num_seqs] int64

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.layers import cpu_kernels
+from kvflow.layers import cpu_kernels, kv_layout
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 from tests.conftest import huge_kib_under, thp_mode
 
@@ -89,7 +89,7 @@ def fresh_cache(backend: CPUAttentionBackend, head_dim: int, dtype: torch.dtype,
     if poison:
         kv_cache.fill_(float("nan"))
     for slots, ck, cv in context:
-        kv_cache[0].view(-1, NUM_KV_HEADS, head_dim)[slots] = ck
+        kv_layout.write_keys(kv_cache[0], slots, ck)
         kv_cache[1].view(-1, NUM_KV_HEADS, head_dim)[slots] = cv
     return kv_cache
 
@@ -157,13 +157,15 @@ def test_new_kv_lands_in_the_mapped_slots(use_kernels):
     backend = CPUAttentionBackend(use_kernels=use_kernels)
     kv_cache = fresh_cache(backend, head_dim, dtype, context, poison=True)
     expected = kv_cache.clone()
+    expected_keys = kv_layout.keys_token_major(expected[0])
     for i, slot in enumerate(meta.slot_mapping.tolist()):  # the written slots, one token at a time
-        expected[0].view(-1, NUM_KV_HEADS, head_dim)[slot] = k[i]
+        expected_keys.view(-1, NUM_KV_HEADS, head_dim)[slot] = k[i]
         expected[1].view(-1, NUM_KV_HEADS, head_dim)[slot] = v[i]
+    expected[0] = kv_layout.key_cache_from_token_major(expected_keys)
 
     backend.forward(q, k, v, kv_cache, meta, head_dim**-0.5)
 
-    flat_k = kv_cache[0].view(-1, NUM_KV_HEADS, head_dim)
+    flat_k = kv_layout.keys_token_major(kv_cache[0]).view(-1, NUM_KV_HEADS, head_dim)
     flat_v = kv_cache[1].view(-1, NUM_KV_HEADS, head_dim)
     assert torch.equal(flat_k[meta.slot_mapping], k)
     assert torch.equal(flat_v[meta.slot_mapping], v)
@@ -172,7 +174,7 @@ def test_new_kv_lands_in_the_mapped_slots(use_kernels):
         start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
         for i, pos in enumerate(range(meta.seq_lens[s] - (end - start), meta.seq_lens[s])):
             block = meta.block_tables[s, pos // BLOCK_SIZE]
-            assert torch.equal(kv_cache[0, block, pos % BLOCK_SIZE], k[start + i])
+            assert torch.equal(flat_k[block * BLOCK_SIZE + pos % BLOCK_SIZE], k[start + i])
             assert torch.equal(kv_cache[1, block, pos % BLOCK_SIZE], v[start + i])
     # Nothing else moved: cached context intact, unwritten slots untouched.
     torch.testing.assert_close(kv_cache, expected, rtol=0, atol=0, equal_nan=True)

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import torch
 
-from kvflow.layers import cpu_kernels
+from kvflow.layers import cpu_kernels, kv_layout
 
 
 
@@ -45,7 +45,8 @@ def test_kernels_can_be_disabled(monkeypatch):
 
 
 def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """q, K/V caches, a shuffled block table with NaN-block padding, and seq_lens.
+    """q, K/V caches (keys in the pool's stored layout, `kv_layout`), a shuffled block table with
+    NaN-block padding, and seq_lens.
 
     Every block a sequence owns comes from a random permutation of the pool; each table row is
     padded with two entries pointing at NaN blocks, and the slots past a sequence's length in its
@@ -80,7 +81,7 @@ def make_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dty
     q = 2.0 * torch.randn((len(seq_lens), num_heads, head_dim), generator=g)
     return (
         q.to(dtype),
-        key_cache.to(dtype),
+        kv_layout.key_cache_from_token_major(key_cache.to(dtype)),
         value_cache.to(dtype),
         tables,
         torch.tensor(seq_lens, dtype=torch.int64),
@@ -105,7 +106,7 @@ def reference_decode(q, key_cache, value_cache, tables, seq_lens, scale):
         rows = cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
         return torch.where(valid[:, :, None, None], rows, 0.0).transpose(1, 2)
 
-    k, v = gather(key_cache), gather(value_cache)
+    k, v = gather(kv_layout.keys_token_major(key_cache)), gather(value_cache)
     qg = q.double().view(num_seqs, num_kv_heads, group, head_dim)  # query head h uses KV head h // group
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, KVH, group, L]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvflow.layers import cpu_kernels
+from kvflow.layers import cpu_kernels, kv_layout
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 
 
@@ -91,7 +91,7 @@ def build_step(chunks, num_heads, num_kv_heads, head_dim, block_size, num_decode
         query_start.append(a + new)
         ck = torch.randn(cached, num_kv_heads, head_dim, generator=g).to(dtype)
         cv = torch.randn(cached, num_kv_heads, head_dim, generator=g).to(dtype)
-        flat[0, slots(s, range(cached))] = ck
+        kv_layout.write_keys(kv_cache[0], slots(s, range(cached)), ck)
         flat[1, slots(s, range(cached))] = cv
         full_k.append(torch.cat([ck, k[a : a + new]]))
         full_v.append(torch.cat([cv, v[a : a + new]]))
@@ -109,7 +109,7 @@ def write_new_kv(step: Step) -> torch.Tensor:
     """The pool with this step's K/V written, as the backend does before attending."""
     cache = step.kv_cache.clone()
     num_kv_heads, head_dim = step.k.shape[1:]
-    cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, step.meta.slot_mapping, step.k)
+    kv_layout.write_keys(cache[0], step.meta.slot_mapping, step.k)
     cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, step.meta.slot_mapping, step.v)
     return cache
 

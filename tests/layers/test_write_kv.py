@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.layers import cpu_kernels
+from kvflow.layers import cpu_kernels, kv_layout
 
 
 
@@ -48,13 +48,14 @@ def test_write_kv_writes_exactly_the_mapped_slots(kernels, tokens, num_kv_heads,
     slot_mapping = torch.randperm(num_blocks * block_size, generator=g)[:tokens]  # scattered, distinct
 
     expected = cache.clone()
-    expected[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_layout.write_keys(expected[0], slot_mapping, k)
     expected[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     kernels.write_kv(k, v, cache[0], cache[1], slot_mapping)
 
     torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
-    flat = cache.view(2, -1, num_kv_heads, head_dim)
-    assert torch.equal(flat[0, slot_mapping], k) and torch.equal(flat[1, slot_mapping], v)
+    keys = kv_layout.keys_token_major(cache[0]).view(-1, num_kv_heads, head_dim)
+    values = cache[1].view(-1, num_kv_heads, head_dim)
+    assert torch.equal(keys[slot_mapping], k) and torch.equal(values[slot_mapping], v)
 
 
 def test_write_kv_rejects_what_it_cannot_take(kernels):

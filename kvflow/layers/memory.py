@@ -9,9 +9,12 @@ them gets 2 MiB pages: the KV pool (`CPUAttentionBackend`) and the packed weight
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -35,3 +38,23 @@ def empty_on_huge_pages(shape: tuple[int, ...] | int, dtype: torch.dtype) -> tor
     offset = -raw.data_ptr() % HUGE_PAGE
     region.madvise(mmap.MADV_HUGEPAGE, offset, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
     return raw[offset: offset + nbytes].view(dtype).view(shape)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def return_freed_heap() -> None:
+    """Give the pages of freed heap memory back to the OS (glibc's malloc_trim; a no-op
+    elsewhere).
+
+    glibc keeps freed chunks below its mmap threshold resident for reuse. When what replaces
+    them lives elsewhere (weights repacked into a huge-page buffer), that memory would stay in
+    the process's RSS, unused, for good."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

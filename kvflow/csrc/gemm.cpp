@@ -16,9 +16,8 @@
 
 #include <omp.h>
 
-#include "dpbf16.h"
-#include "fma_f32.h"
 #include "kernels.h"
+#include "microkernel.h"
 
 namespace {
 
@@ -78,20 +77,28 @@ struct StoreRow {
         const int64_t col = n0 + j * kTileCols;
         if (col >= n) return;
         const __mmask16 mask = kvflow::tail_mask(n - col);
-        if constexpr (std::is_same_v<Dt, kvflow::F32>) {
-            if (bias != nullptr) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + col));
-            _mm512_mask_storeu_ps(y + m * y_stride + col, mask, acc);
-        } else {
-#if defined(__AVX512BF16__)
-            if (bias != nullptr) {
-                const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
-                acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
-            }
-            _mm256_mask_storeu_epi16(y + m * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-#endif
-        }
+        if (bias != nullptr) acc = _mm512_add_ps(acc, kvflow::Micro<Dt>::load(bias + col, mask));
+        kvflow::Micro<Dt>::store(y + m * y_stride + col, acc, mask);
     }
 };
+
+// y = x @ W^T (+ bias) for a weight packed by pack_weight<T, Micro<Dt>::G>.
+template <typename Dt>
+int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const typename Dt::T* packed, int64_t n,
+         const typename Dt::T* bias, typename Dt::T* y, int64_t y_stride) {
+    using M = kvflow::Micro<Dt>;
+    if (k % M::G != 0) return -1;
+    const int64_t tile_stride = k * kTileCols;
+    for_each_block(m, n, [&](int64_t r, int64_t rows, int64_t n0, bool full) {
+        StoreRow<Dt> store{y + r * y_stride, y_stride, n0, n, bias};
+        const typename Dt::T* tile0 = packed + (n0 / kTileCols) * tile_stride;
+        if (full)
+            M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
+        else
+            M::template rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
+    });
+    return 0;
+}
 #endif
 
 }  // namespace
@@ -121,17 +128,7 @@ int kvflow_has_gemm_f32() { return 0; }
 int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
 #if defined(__AVX512BF16__)
-    if (k % 2 != 0) return -1;
-    const int64_t pairs = k / 2, tile_stride = pairs * 32;
-    for_each_block(m, n, [&](int64_t r, int64_t rows, int64_t n0, bool full) {
-        StoreRow<kvflow::BF16> store{y + r * y_stride, y_stride, n0, n, bias};
-        const uint16_t* tile0 = packed + (n0 / kTileCols) * tile_stride;
-        if (full)
-            kvflow::dpbf16_rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, store);
-        else
-            kvflow::dpbf16_rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, pairs, store);
-    });
-    return 0;
+    return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;
@@ -141,16 +138,7 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
 int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
                     const float* bias, float* y, int64_t y_stride) {
 #if defined(__AVX512F__)
-    const int64_t tile_stride = k * kTileCols;
-    for_each_block(m, n, [&](int64_t r, int64_t rows, int64_t n0, bool full) {
-        StoreRow<kvflow::F32> store{y + r * y_stride, y_stride, n0, n, bias};
-        const float* tile0 = packed + (n0 / kTileCols) * tile_stride;
-        if (full)
-            kvflow::fma_f32_rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k, store);
-        else
-            kvflow::fma_f32_rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k, store);
-    });
-    return 0;
+    return gemm<kvflow::F32>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;

@@ -27,9 +27,8 @@
 #include <omp.h>
 
 #include "common.h"
-#include "dpbf16.h"
-#include "fma_f32.h"
 #include "kernels.h"
+#include "microkernel.h"
 
 #if defined(__AVX512F__)
 namespace {
@@ -41,46 +40,18 @@ constexpr int64_t kQueryBlock = 32;
 constexpr int64_t kRowBlock = 8;  // query rows per microkernel call
 constexpr int kKeyTiles = 4;  // 64 keys per scores call
 
-// What differs between the dtypes: how many consecutive k share a lane of the packed
-// operand (G), the microkernel, and how a probability row is stored.
-template <typename Dt>
-struct Kernel;
-
+// A probability row's 16 values, stored in the dtype p.V multiplies them in; returns what
+// was stored, so that the row sum is over what is multiplied (bf16: the rounded values).
+inline __m512 store_probs(float* p, __m512 e) {
+    _mm512_storeu_ps(p, e);
+    return e;
+}
 #if defined(__AVX512BF16__)
-template <>
-struct Kernel<BF16> {
-    static constexpr int64_t G = 2;  // vdpbf16ps takes k in pairs
-    template <int NT, typename Store>
-    static void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
-                     int64_t steps, Store& store) {
-        kvflow::dpbf16_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
-    }
-    // Stores e rounded to bf16 and returns what was stored, so the row sum is over what is multiplied.
-    static inline __m512 store_probs(uint16_t* p, __m512 e) {
-        const __m256bh pb = _mm512_cvtneps_pbh(e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)pb);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16));
-    }
-    static inline void store_out(uint16_t* o, __m512 v) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-};
+inline __m512 store_probs(uint16_t* p, __m512 e) {
+    kvflow::Micro<BF16>::store(p, e, 0xffff);
+    return kvflow::Micro<BF16>::load(p, 0xffff);
+}
 #endif
-
-template <>
-struct Kernel<F32> {
-    static constexpr int64_t G = 1;
-    template <int NT, typename Store>
-    static void rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
-                     int64_t steps, Store& store) {
-        kvflow::fma_f32_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
-    }
-    static inline __m512 store_probs(float* p, __m512 e) {
-        _mm512_storeu_ps(p, e);
-        return e;
-    }
-    static inline void store_out(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-};
 
 struct Item {
     int64_t seq, head, q0, q1, cost;
@@ -101,7 +72,7 @@ struct StoreOut {  // out row = acc / row sum, in the storage dtype
     int64_t stride, col0;
     const float* inv_sum;
     inline void operator()(int m, int j, __m512 acc) const {
-        Kernel<Dt>::store_out(out + m * stride + col0 + j * 16, _mm512_mul_ps(acc, _mm512_set1_ps(inv_sum[m])));
+        kvflow::Micro<Dt>::store(out + m * stride + col0 + j * 16, _mm512_mul_ps(acc, _mm512_set1_ps(inv_sum[m])), 0xffff);
     }
 };
 
@@ -121,7 +92,7 @@ void pack_kv(const typename Dt::T* key_cache, const typename Dt::T* value_cache,
              int64_t padded, int64_t head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
              typename Dt::T* kp, typename Dt::T* vp) {
     using T = typename Dt::T;
-    constexpr int64_t G = Kernel<Dt>::G;
+    constexpr int64_t G = kvflow::Micro<Dt>::G;
     const int64_t token_stride = num_kv_heads * head_dim;
     std::fill(kp, kp + padded * head_dim, T(0));
     std::fill(vp, vp + padded * head_dim, T(0));
@@ -147,8 +118,8 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
               int64_t out_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
               Scratch<typename Dt::T>& sc) {
     using T = typename Dt::T;
-    using K = Kernel<Dt>;
-    constexpr int64_t G = K::G;
+    using M = kvflow::Micro<Dt>;
+    constexpr int64_t G = M::G;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t keys = context + it.q1;  // the last query of the item sees keys [0, keys)
     const int64_t padded = (keys + 15) / 16 * 16;
@@ -168,12 +139,12 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
             int64_t tile = 0;
             for (; tile + kKeyTiles <= tiles; tile += kKeyTiles) {
                 StoreScores st{sc.s.data() + r0 * padded, padded, tile * 16, scale};
-                K::template rows<kKeyTiles>(rows, x, q_stride, kp + tile * k_tile_stride, k_tile_stride,
+                M::template rows<kKeyTiles>(rows, x, q_stride, kp + tile * k_tile_stride, k_tile_stride,
                                             head_dim / G, st);
             }
             for (; tile < tiles; ++tile) {
                 StoreScores st{sc.s.data() + r0 * padded, padded, tile * 16, scale};
-                K::template rows<1>(rows, x, q_stride, kp + tile * k_tile_stride, k_tile_stride,
+                M::template rows<1>(rows, x, q_stride, kp + tile * k_tile_stride, k_tile_stride,
                                     head_dim / G, st);
             }
         }
@@ -188,7 +159,7 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
             for (int64_t t = 0; t < padded; t += 16) {
                 const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
                 const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
-                sum = _mm512_add_ps(sum, K::store_probs(prow + t, e));
+                sum = _mm512_add_ps(sum, store_probs(prow + t, e));
             }
             inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
         }
@@ -200,7 +171,7 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
             T* orow = out + (token0 + it.q0 + r0) * out_stride + head * head_dim;
             for (int64_t dt = 0; dt < head_dim / 16; ++dt) {
                 StoreOut<Dt> st{orow, out_stride, dt * 16, inv_sum + r0};
-                K::template rows<1>(rows, sc.p.data() + r0 * padded, padded, vp + dt * v_tile_stride,
+                M::template rows<1>(rows, sc.p.data() + r0 * padded, padded, vp + dt * v_tile_stride,
                                     v_tile_stride, key_steps, st);
             }
         }

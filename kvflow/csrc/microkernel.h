@@ -1,0 +1,52 @@
+// One storage dtype's side of the GEMM microkernels, behind one name for the code that runs
+// them in either dtype (gemm.cpp, prefill_attention.cpp): G consecutive k per lane of a
+// packed operand (vdpbf16ps takes bf16 k in pairs), the register-blocked product
+// (dpbf16.h, fma_f32.h), and masked loads and stores between float32 vectors and T.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+#include "dpbf16.h"
+#include "fma_f32.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace kvflow {
+
+template <typename Dt>
+struct Micro;
+
+#if defined(__AVX512BF16__)
+template <>
+struct Micro<BF16> {
+    static constexpr int64_t G = 2;
+    template <int NT, typename Store>
+    static void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
+                     int64_t steps, Store& store) {
+        dpbf16_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
+    }
+    static inline __m512 load(const uint16_t* p, __mmask16 mask) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    }
+    static inline void store(uint16_t* p, __m512 v, __mmask16 mask) {  // rounded to nearest even
+        _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+};
+#endif
+
+template <>
+struct Micro<F32> {
+    static constexpr int64_t G = 1;
+    template <int NT, typename Store>
+    static void rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
+                     int64_t steps, Store& store) {
+        fma_f32_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
+    }
+    static inline __m512 load(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+    static inline void store(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+};
+
+}  // namespace kvflow
+#endif

@@ -1,11 +1,11 @@
-"""Where W-offline's time goes (bf16): two runs of the timed draw, each on a fresh engine.
+"""Where W-offline's time goes: two runs of the timed draw, each on a fresh engine.
 
 1. The fused stack (the default path): wall time and time in prefill-carrying vs decode steps.
 2. The module path (KVFLOW_FUSED_STACK=0's): the same split, with every kvflow CPU-kernel call
    timed from Python, so each step splits into GEMM, attention, elementwise kernels, sampling
    and scheduling; what is left is Python glue, which the fused stack removes.
 
-    .venv/bin/python scripts/w_offline_breakdown.py
+    .venv/bin/python scripts/w_offline_breakdown.py [bfloat16|float32]   (default bfloat16)
 
 Timing wrappers add a little overhead of their own; use `kvflow bench throughput` for the
 headline figure and this for the split. On each engine the first draw (seed 100) warms up;
@@ -13,6 +13,7 @@ seed 0 is W-offline.
 """
 import collections
 import functools
+import sys
 import time
 
 from kvflow.bench.datasets import random_requests
@@ -21,9 +22,10 @@ from kvflow.engine.llm_engine import LLMEngine
 from kvflow.layers import cpu_kernels
 from kvflow.sampling.params import SamplingParams
 
+DTYPE = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
 K = cpu_kernels.load()
 acc = collections.Counter()  # seconds per kernel, from the wrappers below
-for name in ("paged_prefill_attention", "paged_decode_attention", "gemm_bf16_prevalidated", "add_rms_norm",
+for name in ("paged_prefill_attention", "paged_decode_attention", "gemm_prevalidated", "add_rms_norm",
              "silu_and_mul", "rotary_", "write_kv"):
     def wrap(*a, _f=getattr(K, name), _n=name, **kw):
         t = time.perf_counter(); r = _f(*a, **kw); acc[_n] += time.perf_counter() - t; return r
@@ -31,7 +33,7 @@ for name in ("paged_prefill_attention", "paged_decode_attention", "gemm_bf16_pre
 
 
 def engine(fused: bool):
-    eng = LLMEngine(EngineConfig(dtype="bfloat16"))
+    eng = LLMEngine(EngineConfig(dtype=DTYPE))
     r = eng.runner
     tm = collections.Counter()
 
@@ -44,7 +46,7 @@ def engine(fused: bool):
     if not fused:
         r.model.fused_stack = None
         for lin in [m for m in r.model.modules() if hasattr(m, "_gemm")]:  # rebind to the timed GEMM
-            lin._gemm = functools.partial(K.gemm_bf16_prevalidated, packed=lin.packed_weight, n=lin.out_features,
+            lin._gemm = functools.partial(K.gemm_prevalidated, packed=lin.packed_weight, n=lin.out_features,
                                           bias=lin.packed_bias)
     tw(r, "sample", "sampling"); tw(r, "prepare_inputs", "prepare_inputs"); tw(eng.scheduler, "schedule", "schedule")
     tw(eng.scheduler, "update_after_step", "update_after_step"); tw(r.model, "compute_logits", "lm_head")

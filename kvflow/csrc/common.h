@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -14,6 +15,18 @@ namespace kvflow {
 // The most rows of x one register block of the GEMM microkernels takes (dpbf16.h, fma_f32.h:
 // 12 rows x 2 tiles = 24 accumulators of the 32 vector registers).
 constexpr int kMaxBlockRows = 12;
+
+// f(std::integral_constant<int, rows>{}) for a runtime row count in [1, kMaxBlockRows]: the
+// microkernels' fully unrolled register blocks, picked by the rows a block really has.
+template <int R = 1, typename F>
+inline void with_block_rows(int64_t rows, F&& f) {
+    if constexpr (R <= kMaxBlockRows) {
+        if (rows == R)
+            f(std::integral_constant<int, R>{});
+        else
+            with_block_rows<R + 1>(rows, f);
+    }
+}
 
 inline float bf16_to_float(uint16_t x) {
     uint32_t bits = static_cast<uint32_t>(x) << 16;

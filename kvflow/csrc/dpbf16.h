@@ -43,25 +43,13 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
         for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
 }
 
-// Any row count up to kMaxBlockRows, dispatched to a fully unrolled block.
+// Any row count up to kMaxBlockRows, run as the fully unrolled block of that many rows.
 template <int NT, typename Store>
-inline void dpbf16_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0,
-                        int64_t tile_stride, int64_t pairs, Store& store) {
-    switch (rows) {
-        case 1: dpbf16_block<1, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 2: dpbf16_block<2, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 3: dpbf16_block<3, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 4: dpbf16_block<4, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 5: dpbf16_block<5, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 6: dpbf16_block<6, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 7: dpbf16_block<7, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 8: dpbf16_block<8, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 9: dpbf16_block<9, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 10: dpbf16_block<10, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 11: dpbf16_block<11, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        case 12: dpbf16_block<12, NT>(x, x_stride, tile0, tile_stride, pairs, store); break;
-        default: break;
-    }
+inline void dpbf16_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
+                       int64_t pairs, Store& store) {
+    with_block_rows(rows, [&](auto mt) {
+        dpbf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, pairs, store);
+    });
 }
 
 }  // namespace kvflow

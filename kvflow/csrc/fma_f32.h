@@ -41,25 +41,13 @@ inline void fma_f32_block(const float* x, int64_t x_stride, const float* tile0, 
         for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
 }
 
-// Any row count up to kMaxBlockRows, dispatched to a fully unrolled block.
+// Any row count up to kMaxBlockRows, run as the fully unrolled block of that many rows.
 template <int NT, typename Store>
 inline void fma_f32_rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
-                         int64_t k, Store& store) {
-    switch (rows) {
-        case 1: fma_f32_block<1, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 2: fma_f32_block<2, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 3: fma_f32_block<3, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 4: fma_f32_block<4, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 5: fma_f32_block<5, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 6: fma_f32_block<6, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 7: fma_f32_block<7, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 8: fma_f32_block<8, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 9: fma_f32_block<9, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 10: fma_f32_block<10, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 11: fma_f32_block<11, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        case 12: fma_f32_block<12, NT>(x, x_stride, tile0, tile_stride, k, store); break;
-        default: break;
-    }
+                        int64_t k, Store& store) {
+    with_block_rows(rows, [&](auto mt) {
+        fma_f32_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, k, store);
+    });
 }
 
 }  // namespace kvflow

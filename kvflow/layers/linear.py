@@ -40,13 +40,15 @@ class Linear(nn.Linear):
         """The shape `pack()` will give this weight in kvflow's GEMM layout, or None when it
         will take another packing (or none)."""
         weight = self.weight
-        if (weight.device.type != "cpu" or os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0"
-                or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2)):
+        if weight.device.type != "cpu" or os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0":
             return None
         kernels = cpu_kernels.load()
         if kernels is None or not kernels.has_gemm(weight.dtype):
             return None
-        return kernels.packed_weight_shape(weight.dtype, *weight.shape)
+        try:
+            return kernels.packed_weight_shape(weight.dtype, *weight.shape)
+        except ValueError:  # a layout the GEMM has no packing for (bf16 with an odd K)
+            return None
 
     def pack(self, out: torch.Tensor | None = None) -> None:
         """Pack the weight for the fastest GEMM this machine has; kvflow's layout goes into

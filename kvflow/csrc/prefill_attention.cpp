@@ -4,15 +4,15 @@
 // Each sequence contributes a chunk of new query tokens at positions context..context+n-1;
 // its K/V (cached context and the chunk itself, already written to the pool) are read
 // through its block table, so a first chunk and a chunk over cached context take the same
-// path. Work items are (sequence, KV head, block of 32 query tokens): the item packs the
-// keys it can see into the layout the GEMM microkernels consume (dpbf16.h, fma_f32.h),
-// computes float32 scores only up to each row block's causal limit, takes an exact
-// (two-pass) softmax per row and multiplies by V. In bf16 the probabilities are rounded to
+// path. Each (sequence, KV head)'s keys and values are first packed, once, into the layout
+// the GEMM microkernels consume (microkernel.h). Work items are (sequence, KV head, block of
+// 32 query tokens): an item computes float32 scores only up to each row block's causal
+// limit, takes an exact (two-pass) softmax per row and multiplies by V. In bf16 the probabilities are rounded to
 // bf16 first, as PyTorch's bf16 flash attention does; in float32 nothing is rounded.
 //
 // Layouts: q/out [tokens, num_heads, head_dim] with the given token strides; value cache
-// [num_blocks, block_size, num_kv_heads, head_dim], key cache dimension-major (common.h); query_start [num_seqs + 1];
-// seq_lens [num_seqs] = context + chunk length. head_dim must be a multiple of 16.
+// [num_blocks, block_size, num_kv_heads, head_dim], key cache dimension-major (common.h);
+// query_start [num_seqs + 1]; seq_lens [num_seqs] = context + chunk length. head_dim must be a multiple of 16.
 
 #include <algorithm>
 #include <cmath>
@@ -39,6 +39,8 @@ using kvflow::F32;
 constexpr int64_t kQueryBlock = 32;
 constexpr int64_t kRowBlock = 8;  // query rows per microkernel call
 constexpr int kKeyTiles = 4;  // 64 keys per scores call
+// Bytes of packed K/V at a time (kvflow_prefill_pack_budget changes it, for tests).
+int64_t g_pack_budget = int64_t(64) << 20;
 
 // A probability row's 16 values, stored in the dtype p.V multiplies them in; returns what
 // was stored, so that the row sum is over what is multiplied (bf16: the rounded values).
@@ -93,6 +95,7 @@ void pack_kv(const typename Dt::T* key_cache, const typename Dt::T* value_cache,
              typename Dt::T* kp, typename Dt::T* vp) {
     using T = typename Dt::T;
     constexpr int64_t G = kvflow::Micro<Dt>::G;
+    static_assert(G == kvflow::kKeyGroup<T>, "the pool's key cells are the microkernel's k groups");
     const int64_t token_stride = num_kv_heads * head_dim;
     std::fill(kp, kp + padded * head_dim, T(0));
     std::fill(vp, vp + padded * head_dim, T(0));
@@ -184,6 +187,33 @@ int prefill(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
              const int64_t* query_start, const int64_t* seq_lens, typename Dt::T* out, int64_t out_stride,
              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
              float scale) {
+    using T = typename Dt::T;
+    // K/V are packed once per (sequence, KV head) pair, then the items run over them. Pairs
+    // go in rounds whose packed K/V fit the pack budget (at least one pair a round), so a long
+    // context does not need all its heads packed at once.
+    const int64_t num_pairs = num_seqs * num_kv_heads;
+    auto padded_of = [&](int64_t s) { return (seq_lens[s] + 15) / 16 * 16; };
+    std::vector<int64_t> round_start{0}, pair_offset(static_cast<size_t>(num_pairs));
+    int64_t filled = 0, biggest = 0;
+    for (int64_t i = 0; i < num_pairs; ++i) {
+        const int64_t size = 2 * padded_of(i / num_kv_heads) * head_dim;
+        if (filled > 0 && (filled + size) * static_cast<int64_t>(sizeof(T)) > g_pack_budget) {
+            round_start.push_back(i);
+            biggest = std::max(biggest, filled);
+            filled = 0;
+        }
+        pair_offset[i] = filled;
+        filled += size;
+    }
+    round_start.push_back(num_pairs);
+    biggest = std::max(biggest, filled);
+    std::unique_ptr<T[]> packed(new (std::nothrow) T[static_cast<size_t>(biggest)]);
+    if (!packed) return -4;  // no exception may cross into ctypes
+    auto kv_of = [&](int64_t pair) {
+        T* kp = packed.get() + pair_offset[pair];
+        return std::make_pair(kp, kp + padded_of(pair / num_kv_heads) * head_dim);
+    };
+
     std::vector<Item> items;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t n = query_start[s + 1] - query_start[s], context = seq_lens[s] - n;
@@ -192,44 +222,60 @@ int prefill(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
             for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, q0, q1, (q1 - q0) * (context + q1)});
         }
     }
-    // K/V packed once per (sequence, KV head), then the items run over them.
-    std::vector<int64_t> pack_offset(static_cast<size_t>(num_seqs + 1), 0);
-    for (int64_t s = 0; s < num_seqs; ++s)
-        pack_offset[s + 1] = pack_offset[s] + 2 * num_kv_heads * ((seq_lens[s] + 15) / 16 * 16) * head_dim;
-    std::unique_ptr<typename Dt::T[]> packed(new (std::nothrow) typename Dt::T[static_cast<size_t>(pack_offset[num_seqs])]);
-    if (!packed) return -4;  // no exception may cross into ctypes
-    auto kv_of = [&](int64_t s, int64_t h) {
-        const int64_t padded = (seq_lens[s] + 15) / 16 * 16;
-        typename Dt::T* kp = packed.get() + pack_offset[s] + 2 * h * padded * head_dim;
-        return std::make_pair(kp, kp + padded * head_dim);
+    // By round, then longest first, taken dynamically: the causal triangle makes items very unequal.
+    auto round_of = [&](const Item& it) {
+        return std::upper_bound(round_start.begin(), round_start.end(), it.seq * num_kv_heads + it.head) -
+               round_start.begin();
     };
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+        const auto ra = round_of(a), rb = round_of(b);
+        return ra != rb ? ra < rb : a.cost > b.cost;
+    });
+    int64_t first_item = 0;
+    for (size_t r = 0; r + 1 < round_start.size(); ++r) {
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_seqs * num_kv_heads; ++i) {
-        const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
-        const auto [kp, vp] = kv_of(s, h);
-        pack_kv<Dt>(key_cache, value_cache, block_tables + s * block_table_stride, seq_lens[s],
-                    (seq_lens[s] + 15) / 16 * 16, h, num_kv_heads, head_dim, block_size, kp, vp);
-    }
-    // Longest first, taken dynamically: the causal triangle makes items very unequal.
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-    const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel
-    {
-        Scratch<typename Dt::T> scratch;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; ++i) {
-            const Item& it = items[i];
-            const int64_t n = query_start[it.seq + 1] - query_start[it.seq];
-            const auto [kp, vp] = kv_of(it.seq, it.head);
-            run_item<Dt>(it, q, q_stride, kp, vp, (seq_lens[it.seq] + 15) / 16 * 16, seq_lens[it.seq] - n,
-                         query_start[it.seq], out, out_stride, num_heads, num_kv_heads, head_dim, scale, scratch);
+        for (int64_t pair = round_start[r]; pair < round_start[r + 1]; ++pair) {
+            const int64_t s = pair / num_kv_heads;
+            const auto [kp, vp] = kv_of(pair);
+            pack_kv<Dt>(key_cache, value_cache, block_tables + s * block_table_stride, seq_lens[s], padded_of(s),
+                        pair % num_kv_heads, num_kv_heads, head_dim, block_size, kp, vp);
         }
+        int64_t end_item = first_item;
+        while (end_item < static_cast<int64_t>(items.size()) &&
+               items[end_item].seq * num_kv_heads + items[end_item].head < round_start[r + 1])
+            ++end_item;
+#pragma omp parallel
+        {
+            Scratch<T> scratch;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = first_item; i < end_item; ++i) {
+                const Item& it = items[i];
+                const int64_t n = query_start[it.seq + 1] - query_start[it.seq];
+                const auto [kp, vp] = kv_of(it.seq * num_kv_heads + it.head);
+                run_item<Dt>(it, q, q_stride, kp, vp, padded_of(it.seq), seq_lens[it.seq] - n, query_start[it.seq],
+                             out, out_stride, num_heads, num_kv_heads, head_dim, scale, scratch);
+            }
+        }
+        first_item = end_item;
     }
     return 0;
 }
 
 }  // namespace
 #endif
+
+// Sets the bytes of packed K/V prefill attention holds at a time (a long context is packed in
+// rounds within it); returns the previous value. Process-wide; the tests use it to force rounds.
+extern "C" int64_t kvflow_prefill_pack_budget(int64_t bytes) {
+#if defined(__AVX512F__)
+    const int64_t previous = g_pack_budget;
+    g_pack_budget = bytes;
+    return previous;
+#else
+    (void)bytes;
+    return 0;
+#endif
+}
 
 // dtype: 0 = float32 (needs AVX-512F), 1 = bfloat16 (needs AVX512-BF16); -2 when the CPU
 // lacks what the dtype needs.

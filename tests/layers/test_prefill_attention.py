@@ -182,6 +182,25 @@ def test_paged_prefill_attention_matches_reference(prefill, dtype, num_heads, nu
     assert torch.equal(alone, out[a:b])
 
 
+@DTYPES
+def test_packing_in_rounds_changes_nothing(prefill, dtype):
+    """With a pack budget too small for two (sequence, KV head) pairs, each pair is packed and
+    attended in its own round: the output must be bit for bit the one-round output."""
+    step = build_step(CHUNKS, 6, 2, 64, 16, seed=5, dtype=dtype)
+    cache, meta = write_new_kv(step), step.meta
+    args = (cache[0], cache[1], meta.block_tables, meta.query_start_tensor, meta.seq_lens_tensor)
+    one_round = torch.full(step.q.shape, float("nan"), dtype=dtype)
+    prefill.paged_prefill_attention(step.q, *args, one_round, 0.125)
+    previous = prefill.lib.kvflow_prefill_pack_budget(1)
+    try:
+        rounds = torch.full(step.q.shape, float("nan"), dtype=dtype)
+        prefill.paged_prefill_attention(step.q, *args, rounds, 0.125)
+    finally:
+        prefill.lib.kvflow_prefill_pack_budget(previous)
+    assert previous == 64 << 20
+    assert not rounds.isnan().any() and torch.equal(rounds, one_round)
+
+
 @pytest.mark.parametrize("dtype", [BF16], ids=["bf16"])
 def test_paged_prefill_attention_rejects_bad_inputs(prefill, dtype):
     step = build_step([(3, 5)], 4, 2, 64, 4)

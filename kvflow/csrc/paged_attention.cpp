@@ -87,15 +87,31 @@ using namespace kvflow::decode;  // softmax and p.V (decode_pv.h)
 // accumulators of the q.k and p.V products stay in registers; a runtime head_dim would keep
 // them in memory and triple the kernel's time.
 
-// scores[r, t0 + i] = scale * q[r] . k[t0 + i] for R query rows of one KV head and the 16 keys
-// from t0 (`valid` of them real). Keys are stored dimension-major, so one dim group of the 16
-// keys is one 64-byte vector: each q element (a dim pair in bf16, for vdpbf16ps) is broadcast
-// and multiplied into 16 scores at once, with no horizontal sums (measured 11 % faster in
-// float32 and 15 % in bf16 than 16 token-major rows and a transpose-add, cold caches).
-// P partial sums per row keep R x P FMA chains in flight.
-template <typename Dt, int NV, int R>
-inline void scores16(const typename Dt::T* q, const typename Dt::T* kcell0, int64_t block_size, __mmask16 valid,
-                     __m512 vscale, float* out, int64_t len) {
+// Where the 16 keys of a q.k step are: `kcell0` points at dim group 0 of the first of them,
+// and the group g of key i is at kcell0 + g * block_size * G, plus, when the keys span blocks
+// (block_size not a multiple of 16), byte offset i of `lo`/`hi` (lanes 0-7, 8-15).
+template <typename T, bool kGather>
+inline __m512i key_cells16(const T* kcell0, int64_t g, int64_t block_size, __m512i lo, __m512i hi) {
+    const T* cells = kcell0 + g * block_size * kvflow::kKeyGroup<T>;
+    if constexpr (!kGather) {
+        (void)lo; (void)hi;
+        return _mm512_loadu_si512(cells);
+    } else {
+        const __m256i a = _mm512_i64gather_epi32(lo, cells, 1), b = _mm512_i64gather_epi32(hi, cells, 1);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    }
+}
+
+// scores[r, t0 + i] = scale * q[r] . k[t0 + i] for R query rows of one KV head and 16 keys
+// (`valid` of them real). Keys are stored dimension-major, so one dim group of the 16 keys is
+// one 64-byte vector: each q element (a dim pair in bf16, for vdpbf16ps) is broadcast and
+// multiplied into 16 scores at once, with no horizontal sums (measured 11 % faster in float32
+// and 15 % in bf16 than 16 token-major rows and a transpose-add, cold caches). P partial sums
+// per row keep R x P FMA chains in flight. bf16 without AVX512-BF16 splits each pair into its
+// two dims and takes float32 FMAs.
+template <typename Dt, int NV, int R, bool kGather>
+inline void scores16(const typename Dt::T* q, const typename Dt::T* kcell0, int64_t block_size, __m512i lo,
+                     __m512i hi, __mmask16 valid, __m512 vscale, float* out, int64_t len) {
     using T = typename Dt::T;
     constexpr int64_t D = NV * 16, G = kvflow::kKeyGroup<T>, kGroups = D / G;
     constexpr int P = 4;
@@ -105,18 +121,25 @@ inline void scores16(const typename Dt::T* q, const typename Dt::T* kcell0, int6
         for (int i = 0; i < P; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < kGroups; g += P) {
         for (int i = 0; i < P; ++i) {
-            const T* cells = kcell0 + (g + i) * block_size * G;
+            const __m512i cells = key_cells16<T, kGather>(kcell0, g + i, block_size, lo, hi);
             if constexpr (std::is_same_v<Dt, BF16>) {
 #if defined(__AVX512BF16__)
-                const __m512bh kv = (__m512bh)_mm512_loadu_si512(cells);
                 for (int r = 0; r < R; ++r) {
                     int32_t pair;
                     std::memcpy(&pair, q + r * D + 2 * (g + i), sizeof(pair));
-                    acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)_mm512_set1_epi32(pair), kv);
+                    acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)cells);
+                }
+#else
+                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(cells, 16));
+                const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(cells, _mm512_set1_epi32(int32_t(0xffff0000u))));
+                for (int r = 0; r < R; ++r) {
+                    const T* qp = q + r * D + 2 * (g + i);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(Dt::load(qp[0])), even, acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(Dt::load(qp[1])), odd, acc[r][i]);
                 }
 #endif
             } else {
-                const __m512 kv = _mm512_loadu_ps(cells);
+                const __m512 kv = _mm512_castsi512_ps(cells);
                 for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + g + i]), kv, acc[r][i]);
             }
         }
@@ -127,9 +150,26 @@ inline void scores16(const typename Dt::T* q, const typename Dt::T* kcell0, int6
     }
 }
 
-// The fast path's q.k for an item's KV heads (block_size a multiple of 16, so 16 keys from a
-// multiple of 16 share one block). All heads of a block are used before moving on, so each
-// block of the pool is read once, front to back.
+// One KV head's query rows [r, r_end) against 16 keys, R rows at a time.
+template <typename Dt, int NV, bool kGather>
+inline void head_scores16(const typename Dt::T* q, int64_t r, int64_t r_end, const typename Dt::T* kh,
+                          int64_t block_size, __m512i lo, __m512i hi, __mmask16 valid, __m512 vscale, float* scores,
+                          int64_t len) {
+    constexpr int64_t D = NV * 16;
+    for (; r + 4 <= r_end; r += 4)
+        scores16<Dt, NV, 4, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len);
+    switch (r_end - r) {
+        case 3: scores16<Dt, NV, 3, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len); break;
+        case 2: scores16<Dt, NV, 2, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len); break;
+        case 1: scores16<Dt, NV, 1, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len); break;
+        default: break;
+    }
+}
+
+// The fast path's q.k for an item's KV heads. All heads of a block are used before moving on,
+// so each block of the pool is read once, front to back. With block_size a multiple of 16 the
+// 16 keys of a step share one block and are one load per dim group; otherwise they are
+// gathered from the blocks they span.
 template <typename Dt, int NV>
 void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const int64_t* table, int64_t len,
                  int64_t num_item_heads, int64_t group, int64_t block_size, int64_t block_stride, float scale,
@@ -137,22 +177,26 @@ void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const
     using T = typename Dt::T;
     constexpr int64_t D = NV * 16, G = kvflow::kKeyGroup<T>;
     const __m512 vscale = _mm512_set1_ps(scale);
-    // bf16 needs AVX512-BF16 here; without it the caller takes the portable path.
+    const bool contiguous = block_size % 16 == 0;
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const __mmask16 valid = kvflow::tail_mask(len - t0);
-        const T* kb = key_cache + table[t0 / block_size] * block_stride + (t0 % block_size) * G;
-        for (int64_t h = 0; h < num_item_heads; ++h) {
-            const T* kh = kb + h * D * block_size;
-            int64_t r = h * group;
-            const int64_t r_end = (h + 1) * group;
-            for (; r + 4 <= r_end; r += 4) scores16<Dt, NV, 4>(q + r * D, kh, block_size, valid, vscale, scores + r * len + t0, len);
-            switch (r_end - r) {
-                case 3: scores16<Dt, NV, 3>(q + r * D, kh, block_size, valid, vscale, scores + r * len + t0, len); break;
-                case 2: scores16<Dt, NV, 2>(q + r * D, kh, block_size, valid, vscale, scores + r * len + t0, len); break;
-                case 1: scores16<Dt, NV, 1>(q + r * D, kh, block_size, valid, vscale, scores + r * len + t0, len); break;
-                default: break;
-            }
+        if (contiguous) {
+            const T* kb = key_cache + table[t0 / block_size] * block_stride + (t0 % block_size) * G;
+            for (int64_t h = 0; h < num_item_heads; ++h)
+                head_scores16<Dt, NV, false>(q, h * group, (h + 1) * group, kb + h * D * block_size, block_size,
+                                             _mm512_setzero_si512(), _mm512_setzero_si512(), valid, vscale,
+                                             scores + t0, len);
+            continue;
         }
+        alignas(64) int64_t offset[16];  // bytes from the cache to each key's first cell
+        for (int64_t i = 0; i < 16; ++i) {
+            const int64_t t = std::min(t0 + i, len - 1);  // past the end: re-read the last key (masked)
+            offset[i] = (table[t / block_size] * block_stride + (t % block_size) * G) * static_cast<int64_t>(sizeof(T));
+        }
+        const __m512i lo = _mm512_load_si512(offset), hi = _mm512_load_si512(offset + 8);
+        for (int64_t h = 0; h < num_item_heads; ++h)
+            head_scores16<Dt, NV, true>(q, h * group, (h + 1) * group, key_cache + h * D * block_size, block_size, lo,
+                                        hi, valid, vscale, scores + t0, len);
     }
 }
 
@@ -212,6 +256,13 @@ DecodeItemFn<Dt> decode_item_for(int64_t nv) {
         return nv == NV ? &decode_item_avx512<Dt, NV> : decode_item_for<Dt, NV + 1>(nv);
     }
 }
+
+// The AVX-512 item function for a head_dim, or null (then the portable loops run): it needs
+// head_dim a multiple of 16, for its register blocks; any block size.
+template <typename Dt>
+DecodeItemFn<Dt> fast_item(int64_t head_dim) {
+    return head_dim % 16 == 0 && head_dim <= kMaxHeadDim ? decode_item_for<Dt>(head_dim / 16) : nullptr;
+}
 #endif
 
 template <typename Dt>
@@ -223,15 +274,7 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
 #if defined(__AVX512F__)
-    // The fast path takes 16 keys of one block at a time (block_size a multiple of 16); bf16
-    // needs AVX512-BF16 for its q.k.
-    constexpr bool kDtypeOk = !std::is_same_v<Dt, BF16>
-#if defined(__AVX512BF16__)
-                              || true
-#endif
-        ;
-    const bool fits = kDtypeOk && head_dim % 16 == 0 && block_size % 16 == 0;
-    const DecodeItemFn<Dt> fast = portable || !fits ? nullptr : decode_item_for<Dt>(head_dim / 16);
+    const DecodeItemFn<Dt> fast = portable ? nullptr : fast_item<Dt>(head_dim);
     portable = fast == nullptr;
 #else
     portable = true;
@@ -282,12 +325,12 @@ extern "C" {
 // Token t of k / v ([tokens, num_kv_heads * head_dim] with the given row strides in bytes: k
 // and v may be views into the fused QKV output) -> slot `slot_mapping[t]` of the caches: V as
 // a row, K scattered into its block's dimension-major 4-byte cells (common.h, key_offset).
-// Returns -1 when a key row is not a whole number of cells.
+// Returns -1 for elements wider than a cell or a key head that is not a whole number of cells.
 int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,
                     void* value_cache, const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads,
                     int64_t head_dim, int64_t block_size, int64_t elem_bytes) {
     const int64_t row_bytes = num_kv_heads * head_dim * elem_bytes;
-    if ((head_dim * elem_bytes) % 4 != 0) return -1;
+    if (elem_bytes > 4 || (head_dim * elem_bytes) % 4 != 0) return -1;
     const int64_t cells = row_bytes / 4;  // per token; cell c of a token goes to [c][t] of its block
     const char* ks = static_cast<const char*>(k);
     const char* vs = static_cast<const char*>(v);
@@ -302,6 +345,16 @@ int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t 
         std::memcpy(vd + slot * row_bytes, vs + t * v_row_stride, static_cast<size_t>(row_bytes));
     }
     return 0;
+}
+
+// 1 when decode attention in this dtype (0 float32, 1 bf16) runs its AVX-512 path for this head_dim.
+int kvflow_decode_fast_path(int dtype, int64_t head_dim) {
+#if defined(__AVX512F__)
+    return (dtype == 0 ? fast_item<F32>(head_dim) != nullptr : fast_item<BF16>(head_dim) != nullptr) ? 1 : 0;
+#else
+    (void)dtype; (void)head_dim;
+    return 0;
+#endif
 }
 
 int kvflow_max_group() { return kMaxGroup; }

@@ -100,6 +100,9 @@ class CPUKernels:
         self._decode = fn
         self.lib.kvflow_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self.lib.kvflow_write_kv.restype = ctypes.c_int
+        self.lib.kvflow_decode_fast_path.argtypes = [ctypes.c_int, i64]
+        self.lib.kvflow_prefill_pack_budget.argtypes = [i64]
+        self.lib.kvflow_prefill_pack_budget.restype = i64
         self.max_group = self.lib.kvflow_max_group()
         self.max_head_dim = self.lib.kvflow_max_head_dim()
         self.lib.kvflow_pack_bf16_weight.argtypes = [ptr, i64, i64, ptr]
@@ -125,6 +128,10 @@ class CPUKernels:
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in DTYPE_CODES
 
+    def decode_fast_path(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether decode attention runs its AVX-512 path (else the portable loops) for this shape."""
+        return bool(self.lib.kvflow_decode_fast_path(DTYPE_CODES[dtype], head_dim))
+
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (
             dtype in DTYPE_CODES
@@ -149,8 +156,9 @@ class CPUKernels:
             raise ValueError(f"write_kv: slot_mapping needs one slot per token ({tokens}), got {tuple(slot_mapping.shape)}")
         slot_mapping = slot_mapping.contiguous()
         size = k.element_size()
-        if (head_dim * size) % 4:
-            raise ValueError(f"write_kv: a key head of {head_dim} x {size} bytes is not a whole number of 4-byte cells")
+        if size > 4 or (head_dim * size) % 4:
+            raise ValueError(f"write_kv: keys are stored in 4-byte cells (kv_layout); {k.dtype} heads of {head_dim} "
+                             "do not fill whole cells")
         check_rc(self.lib.kvflow_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
                                           key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens,
                                           num_kv_heads, head_dim, key_cache.shape[1], size), "write_kv")

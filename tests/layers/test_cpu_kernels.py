@@ -127,11 +127,12 @@ SHAPES = [
     pytest.param(4, 4, 64, 16, id="g1-d64-b16"),
     pytest.param(6, 2, 128, 16, id="g3-d128-b16"),
     pytest.param(8, 2, 64, 32, id="g4-d64-b32"),
-    pytest.param(8, 2, 128, 1, id="g4-d128-b1"),
+    pytest.param(8, 2, 128, 1, id="g4-d128-b1"),  # block sizes below 16: keys gathered across blocks
+    pytest.param(6, 2, 64, 24, id="g3-d64-b24"),
     pytest.param(6, 2, 40, 16, id="g3-d40-b16"),  # head_dim % 16 != 0: portable loops even when asked for AVX-512
     pytest.param(32, 2, 64, 16, id="g16-d64-b16"),  # the largest group the kernel takes
     pytest.param(72, 8, 32, 16, id="g9-h72-d32-b16"),  # many heads in one whole-sequence item
-    pytest.param(4, 1, 48, 16, id="g4-d48-b16"),  # an odd number of 16-lane vectors: bf16 takes float32 FMAs
+    pytest.param(4, 1, 48, 16, id="g4-d48-b16"),  # an odd number of 16-lane vectors: bf16 p.V takes float32 FMAs
     pytest.param(2, 1, 256, 8, id="g2-d256-b8"),  # the largest head_dim, one row per register block
 ]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -163,6 +164,8 @@ def test_paged_decode_attention_matches_reference(kernels, kind, num_heads, num_
     out = kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, scale, portable=portable)
     assert out.shape == q.shape and out.dtype == dtype
     assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, scale), dtype)
+    # The "avx512" cases must really run it wherever AVX-512 is there, whatever the block size.
+    assert kernels.decode_fast_path(dtype, head_dim) == (kernels.has_gemm_f32 and head_dim % 16 == 0)
 
 
 def test_paged_decode_attention_long_sequence(kernels):
@@ -229,3 +232,25 @@ def test_kernel_sources_compile_for_other_cpus(march):
         result = subprocess.run([cxx, "-std=c++17", "-fopenmp", f"-march={march}", "-fsyntax-only", str(source)],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{source.name} for -march={march}:\n{result.stderr[-2000:]}"
+
+
+def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
+    """Skylake to Ice Lake servers have AVX-512 but not AVX512-BF16: bf16 decode must still run
+    its AVX-512 path there (q.k on float32 FMAs over each key cell's two dims), not the portable
+    loops. Built here for such a CPU (this one runs its code) and checked against the reference."""
+    if not kernels.has_gemm_f32:
+        pytest.skip("this CPU has no AVX-512: it cannot run code built for skylake-avx512")
+    cxx = cpu_kernels._compiler()
+    assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
+    lib = tmp_path / "kvflow_skylake.so"
+    flags = [f for f in cpu_kernels._FLAGS if not f.startswith("-march")] + ["-march=skylake-avx512"]
+    result = subprocess.run([cxx, *flags, *map(str, cpu_kernels._SOURCES), "-o", str(lib)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    skylake = cpu_kernels.CPUKernels(lib)
+    assert not skylake.has_gemm_bf16 and skylake.decode_fast_path(torch.bfloat16, 64)
+    for block_size in (16, 8):
+        lens = batch_lens("edges", block_size, seed=block_size)
+        q, kc, vc, tables, seq_lens = make_paged_case(lens, 6, 2, 64, block_size, torch.bfloat16, seed=block_size)
+        out = skylake.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+        assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, 0.125), torch.bfloat16)

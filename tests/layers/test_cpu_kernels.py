@@ -22,9 +22,6 @@ import torch
 from kvflow.layers import cpu_kernels, kv_layout
 
 
-
-
-
 def test_load_builds_the_kernels(kernels):
     assert kernels.path.exists()
     assert kernels.max_group >= 16 and kernels.max_head_dim >= 128
@@ -216,9 +213,6 @@ def test_paged_decode_attention_rejects_bad_inputs(kernels):
         kernels.paged_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, tables, seq_lens, 0.125)
     with pytest.raises(ValueError, match="int64"):
         kernels.paged_decode_attention(q, kc, vc, tables.int(), seq_lens, 0.125)
-
-
-# ---- bf16 GEMM on a packed weight ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512", "sapphirerapids"])

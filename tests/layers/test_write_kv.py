@@ -17,9 +17,6 @@ import torch
 from kvflow.layers import cpu_kernels, kv_layout
 
 
-
-
-
 def fused_step(tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
     """k and v as views into a [T, (H + 2 KVH) * D] QKV output (rows strided, heads contiguous)."""
     g = torch.Generator().manual_seed(seed)

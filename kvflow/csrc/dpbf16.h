@@ -43,14 +43,5 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
         for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
 }
 
-// Any row count up to kMaxBlockRows, run as the fully unrolled block of that many rows.
-template <int NT, typename Store>
-inline void dpbf16_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
-                       int64_t pairs, Store& store) {
-    with_block_rows(rows, [&](auto mt) {
-        dpbf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, pairs, store);
-    });
-}
-
 }  // namespace kvflow
 #endif

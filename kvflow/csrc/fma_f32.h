@@ -41,14 +41,5 @@ inline void fma_f32_block(const float* x, int64_t x_stride, const float* tile0, 
         for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
 }
 
-// Any row count up to kMaxBlockRows, run as the fully unrolled block of that many rows.
-template <int NT, typename Store>
-inline void fma_f32_rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
-                        int64_t k, Store& store) {
-    with_block_rows(rows, [&](auto mt) {
-        fma_f32_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, k, store);
-    });
-}
-
 }  // namespace kvflow
 #endif

@@ -1,7 +1,8 @@
 // One storage dtype's side of the GEMM microkernels, behind one name for the code that runs
 // them in either dtype (gemm.cpp, prefill_attention.cpp): G consecutive k per lane of a
-// packed operand (vdpbf16ps takes bf16 k in pairs), the register-blocked product
-// (dpbf16.h, fma_f32.h), and masked loads and stores between float32 vectors and T.
+// packed operand (vdpbf16ps takes bf16 k in pairs), the register-blocked product for any
+// row count up to kMaxBlockRows (the blocks of dpbf16.h, fma_f32.h), and masked loads and
+// stores between float32 vectors and T.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +26,9 @@ struct Micro<BF16> {
     template <int NT, typename Store>
     static void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
                      int64_t steps, Store& store) {
-        dpbf16_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
+        with_block_rows(rows, [&](auto mt) {
+            dpbf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store);
+        });
     }
     static inline __m512 load(const uint16_t* p, __mmask16 mask) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
@@ -42,7 +45,9 @@ struct Micro<F32> {
     template <int NT, typename Store>
     static void rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
                      int64_t steps, Store& store) {
-        fma_f32_rows<NT>(rows, x, x_stride, tile0, tile_stride, steps, store);
+        with_block_rows(rows, [&](auto mt) {
+            fma_f32_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store);
+        });
     }
     static inline __m512 load(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
     static inline void store(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.bench.datasets import BenchRequest
-from kvflow.bench.throughput import ThroughputResult, peak_rss_mb
+from kvflow.bench.results import ThroughputResult, peak_rss_mb
 
 
 @dataclass

@@ -15,58 +15,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
-import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
 from kvflow.bench.datasets import BenchRequest, fit_token_range, jsonl_requests, prefix_requests, random_requests
+from kvflow.bench.hf_baseline import run_baseline
+from kvflow.bench.results import ThroughputResult, current_rss_mb, peak_rss_mb
 
 WORKLOAD_TOKEN_RANGE = (1000, 40000)
-
-
-@dataclass
-class ThroughputResult:
-    engine: str
-    dtype: str
-    num_requests: int
-    prompt_tokens: int
-    output_tokens: int
-    wall_s: float
-    requests_per_s: float
-    total_tokens_per_s: float
-    output_tokens_per_s: float
-    peak_rss_mb: float
-    peak_kv_usage: float = 0.0
-    preemptions: int = 0
-    computed_tokens: int = 0
-    mean_ttft_s: float = 0.0
-
-    def summary(self) -> str:
-        return (
-            f"{self.engine} ({self.dtype}): {self.num_requests} requests, {self.prompt_tokens} prompt + "
-            f"{self.output_tokens} output tokens in {self.wall_s:.2f} s\n"
-            f"  {self.requests_per_s:.2f} req/s, {self.total_tokens_per_s:.1f} total tok/s, "
-            f"{self.output_tokens_per_s:.1f} output tok/s\n"
-            f"  peak RSS {self.peak_rss_mb:.0f} MB, peak KV usage {self.peak_kv_usage:.1%}, "
-            f"preemptions {self.preemptions}, tokens computed {self.computed_tokens}, mean TTFT {self.mean_ttft_s * 1e3:.0f} ms"
-        )
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def current_rss_mb() -> float:
-    """Resident memory now (not the peak), to see whether repeated runs grow."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return float("nan")
 
 
 def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, label: str = "kvflow") -> ThroughputResult:
@@ -206,8 +165,6 @@ def run(config, args: argparse.Namespace) -> ThroughputResult:
               f"{runs[0]['rss_mb']:.0f} MB, after run {args.repeat} {runs[-1]['rss_mb']:.0f} MB")
         report["repeats"] = runs
     if args.baseline == "hf":
-        from kvflow.bench.hf_baseline import run_baseline
-
         model_path, load_format, dtype = engine.model_path, config.load_format, engine.dtype
         del engine  # free kvflow's weights and KV cache before transformers loads its copy
         gc.collect()

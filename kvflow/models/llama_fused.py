@@ -22,15 +22,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from kvflow.config import ModelConfig
 from kvflow.layers import cpu_kernels
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
-
-if TYPE_CHECKING:
-    from kvflow.models.llama import LlamaForCausalLM
+from kvflow.layers.norm import RMSNorm
 
 logger = logging.getLogger("kvflow")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -57,8 +57,18 @@ def _int64_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors)
 
 
+class LlamaStack(Protocol):
+    """What the fused stack reads from a model: `LlamaForCausalLM` is one. llama.py imports
+    this module, so it names the attributes rather than that class."""
+
+    config: ModelConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList  # of LlamaDecoderLayer
+    norm: RMSNorm
+
+
 class FusedLlamaStack:
-    def __init__(self, model: LlamaForCausalLM, kernels: cpu_kernels.CPUKernels) -> None:
+    def __init__(self, model: LlamaStack, kernels: cpu_kernels.CPUKernels) -> None:
         cfg = model.config
         attn = model.layers[0].self_attn
         rotary = attn.rotary
@@ -89,7 +99,7 @@ class FusedLlamaStack:
         self.steps_declined = 0
 
     @staticmethod
-    def build(model: LlamaForCausalLM) -> FusedLlamaStack | None:
+    def build(model: LlamaStack) -> FusedLlamaStack | None:
         """The fused stack when every op of this model has its kernel in the model's dtype, else None."""
         kernels = cpu_kernels.load()
         dtype = model.embed_tokens.weight.dtype

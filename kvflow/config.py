@@ -164,6 +164,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; default all cores
+    # Sampling defaults for fields a request leaves unset: "auto" (the model's own), "vllm"
+    # (none: SamplingParams' vLLM defaults) or a folder with generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -26,6 +26,7 @@ from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.layers.attention import get_attn_backend
 from kvflow.loader import load_model, load_model_config, resolve_model_path
+from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
 from kvflow.sampling.params import SamplingParams
@@ -75,6 +76,9 @@ class LLMEngine:
         self.model_config: ModelConfig = load_model_config(path)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
+        # Filled in by LLM, the server and the CLI for the fields a request leaves unset; the
+        # engine itself runs every request's SamplingParams exactly as given.
+        self.sampling_defaults: SamplingDefaults = load_sampling_defaults(path, config.generation_config)
         self.plan: KVCachePlan = plan_kv_cache(
             self.model_config,
             self.dtype,
@@ -103,8 +107,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # every token that went through the model (prefix hits excluded)
         logger.info(
-            "kvflow: loaded %s (%s) in %.1f s\n%s",
+            "kvflow: loaded %s (%s) in %.1f s\n%s\n%s",
             path, self.model_config.architecture, time.perf_counter() - start, self.plan.describe(),
+            self.sampling_defaults.describe(),
         )
 
     # ---- set-up helpers ----------------------------------------------------------------

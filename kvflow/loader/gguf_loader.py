@@ -182,6 +182,11 @@ def _architecture(header: _Header, path: str) -> str:
     return arch
 
 
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """The file's key/value metadata (string arrays such as the vocabulary hold only their length)."""
+    return dict(_header(path).metadata)
+
+
 def read_gguf_config(path: str) -> dict:
     """A Hugging Face config.json-style dict, so `ModelConfig.from_hf_config` serves both formats."""
     header = _header(path)

@@ -9,9 +9,11 @@ opaque tensor error deep inside a batched step.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
+from typing import Any, Mapping
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
 # (or makes the softmax a one-hot in all but name), so argmax is both safer and what the
@@ -37,6 +39,14 @@ class SamplingParams:
     Defaults follow vLLM: a plain `SamplingParams()` samples at temperature 1 for at most 16
     tokens. `top_k=-1` (vLLM's old spelling of "disabled") is normalised to 0, `stop` to a
     list of strings and `stop_token_ids` to a list, so downstream code sees one form only.
+
+    Unset versus explicit: every instance records in `explicit_fields` the fields its
+    caller named, as a constructor argument (positional or keyword) or by assigning the
+    attribute later. `SamplingParams(max_tokens=32).temperature` still reads 1.0, but
+    `with_defaults({"temperature": 0.2})` replaces it, because the caller never chose it;
+    `SamplingParams(temperature=1.0)` keeps 1.0. This is how `LLM` and the CLI apply a
+    model's own sampling defaults (generation_config.json) under an explicit request.
+    `dataclasses.replace` passes every field, so its result counts all of them as explicit.
     """
 
     n: int = 1
@@ -57,9 +67,52 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
+        # __new__ sees the constructor's own arguments, which the generated __init__ does not keep.
+        self = super().__new__(cls)
+        named = {f.name for f in fields(cls)[: len(args)]} | set(kwargs)
+        object.__setattr__(self, "_pending_explicit", named)
+        return self
+
     def __post_init__(self) -> None:
         self._normalise()
         self._validate()
+        # From here on an attribute assignment marks its field explicit (see __setattr__).
+        object.__setattr__(self, "_explicit", set(self.__dict__.pop("_pending_explicit", ())))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        explicit = self.__dict__.get("_explicit")
+        if explicit is not None and name in _FIELD_NAMES:
+            explicit.add(name)
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """The fields the caller set; the rest hold vLLM's defaults and yield to a model's."""
+        return frozenset(self.__dict__.get("_explicit", ()))
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> "SamplingParams":
+        """A copy whose fields the caller did not set take `defaults` (self if nothing changes).
+
+        The copy is validated again, and its `explicit_fields` stay the caller's: defaults
+        never become explicit, so applying another layer of defaults later still works.
+        """
+        unknown = set(defaults) - _FIELD_NAMES
+        if unknown:
+            raise ValueError(f"sampling defaults: unknown field(s) {', '.join(sorted(unknown))}")
+        explicit = self.explicit_fields
+        updates = {k: v for k, v in defaults.items() if k not in explicit and getattr(self, k) != v}
+        if not updates:
+            return self
+        new = copy.copy(self)
+        del new.__dict__["_explicit"]  # untracked while filling in, as during __init__
+        for name, value in updates.items():
+            setattr(new, name, copy.copy(value))
+        new.stop, new.stop_token_ids = list(new.stop), list(new.stop_token_ids)  # no lists shared with self
+        new._normalise()
+        new._validate()
+        object.__setattr__(new, "_explicit", set(explicit))
+        return new
 
     def _normalise(self) -> None:
         if self.top_k == -1:
@@ -142,4 +195,5 @@ class SamplingParams:
         return f"SamplingParams({', '.join(parts)})"
 
 
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 _DEFAULTS = SamplingParams()

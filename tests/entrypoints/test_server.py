@@ -12,6 +12,7 @@ import json
 
 import openai
 import time
+from pathlib import Path
 
 import pytest
 
@@ -404,3 +405,24 @@ def test_text_streamer_holds_back_stop_prefixes():
     assert s.delta("Hello EN", finished=False) == ""
     assert s.delta("Hello ENx", finished=False) == "ENx"
     assert s.delta("Hello ENxE", finished=True) == "E"
+
+
+# ---- the README's example, as a newcomer runs it ----------------------------------------------
+def readme_curl_body() -> dict:
+    """The JSON body of the README's curl example, read from the README itself."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    curl = next(block for block in readme.split("```") if "curl" in block and "/v1/chat/completions" in block)
+    return json.loads(curl.split("-d '", 1)[1].split("'", 1)[0])
+
+
+def test_readme_curl_answers_paris(live_server, http):
+    """The README's request, which sets no sampling fields: the model's defaults (temperature 0.2, top_p 0.9)
+    apply, and under a fixed seed (the only field added) the answer names Paris."""
+    body = readme_curl_body()
+    assert not {"temperature", "top_p", "top_k", "seed"} & set(body)  # the README relies on the defaults
+    card = http.get(f"/v1/models/{MODEL_NAME}").json()
+    assert card["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    r = http.post("/v1/chat/completions", json={**body, "model": MODEL_NAME, "seed": 0})
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    assert live_server.wait_pool_free()

@@ -9,7 +9,7 @@ that the JSON shape (including the `null`s clients key on) is defined in one pla
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -68,13 +68,17 @@ class SamplingRequest(OpenAIModel):
     def requested_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, prompt_len: int, max_model_len: int,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """SamplingParams for a prompt of `prompt_len` tokens, or InvalidRequestError/ValueError.
 
-        An absent max_tokens means "until the context is full", as in vLLM; an explicit one
-        that cannot fit next to the prompt is refused up front with both numbers, rather
-        than silently truncated.
+        A field the request leaves out (or sends as null) takes the model's sampling default
+        from `defaults` (generation_config), else SamplingParams' own. An absent max_tokens
+        means "until the context is full", as in vLLM, capped by a model default max_tokens;
+        an explicit one that cannot fit next to the prompt is refused up front with both
+        numbers, rather than silently truncated.
         """
+        defaults = defaults or {}
         room = max_model_len - prompt_len
         if room < 1:
             raise InvalidRequestError(
@@ -86,7 +90,7 @@ class SamplingRequest(OpenAIModel):
         max_tokens = self.requested_max_tokens()
         name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = min(room, defaults.get("max_tokens") or room)
         elif max_tokens < 1:
             raise InvalidRequestError(f"{name} must be at least 1, got {max_tokens}", param=name)
         elif max_tokens > room:
@@ -106,6 +110,7 @@ class SamplingRequest(OpenAIModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        chosen = {k: v if v is not None else defaults.get(k) for k, v in optional.items()}  # request > model
         return SamplingParams(
             n=1 if self.n is None else self.n,
             seed=self.seed,
@@ -117,7 +122,7 @@ class SamplingRequest(OpenAIModel):
             logprobs=self.requested_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            **{k: v for k, v in optional.items() if v is not None},
+            **{k: v for k, v in chosen.items() if v is not None},
         )
 
 
@@ -298,6 +303,9 @@ class ModelCard(OpenAIModel):
     owned_by: str = "kvflow"
     root: str | None = None
     max_model_len: int | None = None
+    # kvflow's extension: what fills a request's unset sampling fields, and where it came from.
+    sampling_defaults: dict[str, Any] = Field(default_factory=dict)
+    sampling_defaults_source: str | None = None
 
 
 class ModelList(OpenAIModel):

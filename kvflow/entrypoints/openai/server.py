@@ -12,50 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
+import logging
 import secrets
 import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response, StreamingResponse
 
-from kvflow.entrypoints.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStepError,
-    RequestStream,
-)
+from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, error_response
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
 from kvflow.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
-_FIELD = re.compile(r"[A-Za-z_]+")
-_KNOWN_PARAMS = (set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
-                 | {"stop_token_ids", "request_id"})
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its response was complete."""
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=type_, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def _param_of(message: str) -> str | None:
-    """Validation messages start with the field name ("temperature must be ..."); recover it."""
-    m = _FIELD.match(message)
-    return m.group(0) if m and m.group(0) in _KNOWN_PARAMS else None
+logger = logging.getLogger("kvflow")
 
 
 class TextStreamer:
@@ -147,6 +122,10 @@ class OpenAIServer:
                                         param="messages") from exc
         return text, tok(text, add_special_tokens=False).input_ids
 
+    def sampling_params(self, body: p.SamplingRequest, prompt_len: int) -> SamplingParams:
+        """The request's sampling fields; those it leaves unset take the model's defaults."""
+        return body.to_sampling_params(prompt_len, self.engine.max_model_len, self.engine.sampling_defaults.values)
+
     def _decode_token(self, token_id: int) -> str:
         tok = self.engine.tokenizer
         if tok is None:  # a model without a tokenizer: name tokens by id, as vLLM's token-id mode does
@@ -211,7 +190,7 @@ class OpenAIServer:
         if body.echo and body.logprobs is not None:
             raise p.InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed)",
                                         param="echo")
-        params = body.to_sampling_params(len(ids), self.engine.max_model_len)
+        params = self.sampling_params(body, len(ids))
         stream = await self.submit("cmpl", text, ids, params, body.priority)
         echo = ""
         if body.echo:
@@ -266,7 +245,7 @@ class OpenAIServer:
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         text, ids = self.chat_prompt(body)
-        params = body.to_sampling_params(len(ids), self.engine.max_model_len)
+        params = self.sampling_params(body, len(ids))
         stream = await self.submit("chatcmpl", text, ids, params, body.priority)
         if body.stream:
             return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
@@ -332,7 +311,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.kvflow = server
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
-    _add_error_handlers(app)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -346,11 +325,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(engine.get_stats()), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> p.ModelCard:
+        defaults = engine.sampling_defaults
+        return p.ModelCard(id=served_model_name, root=getattr(engine.engine, "model_path", None),
+                           max_model_len=engine.max_model_len, sampling_defaults=dict(defaults.values),
+                           sampling_defaults_source=defaults.source)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = p.ModelCard(id=served_model_name, root=getattr(engine.engine, "model_path", None),
-                           max_model_len=engine.max_model_len)
-        return p.ModelList(data=[card]).model_dump()
+        return p.ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        server.check_model(model_id)
+        return model_card().model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, raw: Request) -> Response:
@@ -361,48 +349,3 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return await server.chat(body, raw)
 
     return app
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            detail = (first.get("ctx") or {}).get("error", "")
-            return error_response(400, f"Malformed JSON in the request body: {detail}".rstrip(": "))
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        messages = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                             for e in errors)
-        return error_response(400, messages or "invalid request", param=loc[0] if loc else None)
-
-    @app.exception_handler(p.InvalidRequestError)
-    async def on_invalid(_: Request, exc: p.InvalidRequestError) -> JSONResponse:
-        type_ = "invalid_request_error" if exc.status < 500 else "server_error"
-        return error_response(exc.status, exc.message, type_, exc.param, exc.code)
-
-    @app.exception_handler(ValueError)
-    async def on_value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc), param=_param_of(str(exc)))
-
-    @app.exception_handler(EngineOverloadedError)
-    async def on_overload(_: Request, exc: EngineOverloadedError) -> JSONResponse:
-        return error_response(503, str(exc), "server_overloaded", code="overloaded",
-                              headers={"Retry-After": str(exc.retry_after)})
-
-    @app.exception_handler(EngineDeadError)
-    async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc), "server_error", code="engine_dead")
-
-    @app.exception_handler(EngineStepError)
-    async def on_step_error(_: Request, exc: EngineStepError) -> JSONResponse:
-        return error_response(500, str(exc), "server_error", code="engine_step_failed")
-
-    @app.exception_handler(ClientDisconnected)
-    async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))

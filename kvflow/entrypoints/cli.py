@@ -63,6 +63,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                    help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for fields a request leaves unset: auto (the model's own: "
+                        "generation_config.json, GGUF metadata, or for the default model its card's "
+                        "temperature 0.2, top_p 0.9), vllm (vLLM's: temperature 1.0), or a folder "
+                        "with generation_config.json")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -71,28 +76,55 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    """Sampling flags; an omitted one is unset, so the model's default (--generation-config) applies."""
+    g = parser.add_argument_group("sampling (omitted: the model's default, see --generation-config)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate (default: the model's, else {max_tokens})")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", default=None)
+    g.add_argument("--verbose", action="store_true",
+                   help="after each answer, print prompt and output tokens, TTFT and tokens/s")
+    parser.set_defaults(cli_max_tokens=max_tokens)
+
+
+_SAMPLING_FLAGS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "sampling_seed": "seed", "stop": "stop", "ignore_eos": "ignore_eos"}
 
 
 def sampling_params_from_args(args: argparse.Namespace):
+    """SamplingParams of the flags given (checked now, before any weights load); the rest stay unset."""
     from kvflow.sampling.params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
-    )
+    given = {field: getattr(args, flag) for flag, field in _SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
+    return SamplingParams(**given)
+
+
+def with_cli_defaults(params, args: argparse.Namespace, llm):
+    """Precedence: a flag, then the model's default (generation_config), then this command's max_tokens."""
+    return params.with_defaults({"max_tokens": args.cli_max_tokens, **llm.engine.sampling_defaults.values})
+
+
+def format_stats(out) -> str:
+    """Ollama's --verbose, in short: token counts, time to first token and generation speed."""
+    m, n_out = out.metrics, len(out.outputs[0].token_ids)
+    ttft = (m.first_token_time - m.arrival_time) if m.first_token_time else float("nan")
+    end = m.finished_time or m.last_token_time or m.first_token_time
+    decode_s = (end - m.first_token_time) if m.first_token_time and end else 0.0
+    # Tokens after the first over the time they took (the first one's time is the TTFT).
+    rate = f"{(n_out - 1) / decode_s:.1f} tokens/s" if n_out > 1 and decode_s > 0 else "n/a"
+    total = (end - m.arrival_time) if end else float("nan")
+    return (f"prompt: {len(out.prompt_token_ids)} tokens ({out.num_cached_tokens} cached) | output: {n_out} tokens"
+            f" | TTFT: {ttft * 1e3:.0f} ms | generation: {rate} | total: {total:.2f} s")
 
 
 # ---- serve ----------------------------------------------------------------------------------
@@ -126,6 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
     dtype = str(engine.engine.dtype).removeprefix("torch.")
     # The engine has already logged the KV cache plan while loading.
     logger.info("model: %s (served as %r), dtype: %s", engine.engine.model_path, name, dtype)
+    logger.info("%s; a request's own fields win (--generation-config vllm: none), see /v1/models",
+                engine.sampling_defaults.describe())
     logger.info("serving on %s/v1 (health: %s/health, metrics: %s/metrics)", url, url, url)
     logger.info("try: curl %s/v1/completions -H 'Content-Type: application/json'%s "
                 "-d '{\"model\": \"%s\", \"prompt\": \"Hello, my name is\", \"max_tokens\": 32}'", url, auth, name)
@@ -156,14 +190,17 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)  # fail on bad options before loading weights
     llm = _build_llm(args)
+    params = with_cli_defaults(params, args, llm)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat_template else args.prompt
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     print(out.outputs[0].text)
+    if args.verbose:  # on stderr, so that stdout stays the text alone
+        print(f"{params}\n{format_stats(out)}", file=sys.stderr)
     return 0
 
 
 def register_chat(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="interactive chat in the terminal (/exit or EOF quits)")
+    p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (/reset, /exit)")
     p.add_argument("--system", default=None, help="system prompt")
     add_model_args(p)
     add_runtime_args(p)
@@ -171,15 +208,22 @@ def register_chat(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_chat)
 
 
+_EXIT, _RESET = ("/exit", "/quit", "/bye"), ("/reset", "/clear")
+_CHAT_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+
+
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
-    """Reads a line, streams the reply, keeps the history; a Ctrl-C stops the reply only."""
+    """Reads a line, streams the reply, keeps the history (through the chat template) until /reset."""
     from kvflow.entrypoints.openai.server import TextStreamer
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     params = sampling_params_from_args(args)
     llm = _build_llm(args)
+    params = with_cli_defaults(params, args, llm)
     engine = llm.engine
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = list(system)
+    stdout.write(f"{params}. {_CHAT_HELP}.\n")
     turn = 0
     while True:
         stdout.write("> ")
@@ -189,24 +233,38 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
             stdout.write("\n")
             break
         text = line.strip()
-        if text in ("/exit", "/quit"):
+        if text in _EXIT:
             break
+        if text in _RESET:
+            history = list(system)
+            stdout.write("(new conversation)\n")
+            continue
+        if text in ("/help", "/?"):
+            stdout.write(_CHAT_HELP + "\n")
+            continue
         if not text:
             continue
         history.append({"role": "user", "content": text})
-        request_id, streamer, reply = f"chat-{turn}", TextStreamer(params.stop), ""
+        request_id, streamer, reply, final = f"chat-{turn}", TextStreamer(params.stop), "", None
         turn += 1
-        engine.add_request(request_id, llm.apply_chat_template(history), params)
+        try:
+            engine.add_request(request_id, llm.apply_chat_template(history), params)
+        except ValueError as exc:  # the conversation outgrew max_model_len: say so, keep the session
+            history.pop()
+            stdout.write(f"error: {exc}\n(/reset starts a new conversation)\n")
+            continue
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    reply = out.outputs[0].text
+                    reply, final = out.outputs[0].text, out
                     stdout.write(streamer.delta(reply, out.finished))
                     stdout.flush()
         except KeyboardInterrupt:
             engine.abort_request(request_id)
             reply = reply[:streamer.sent]
         stdout.write("\n")
+        if args.verbose and final is not None:
+            stdout.write(format_stats(final) + "\n")
         history.append({"role": "assistant", "content": reply})
     return 0
 

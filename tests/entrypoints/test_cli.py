@@ -117,3 +117,85 @@ def test_chat_keeps_history_and_quits(monkeypatch, offline_llm):
     assert second[1]["content"] and second[1]["content"] in stdout.getvalue()
     assert stdout.getvalue().count("> ") == 4
     assert not offline_llm.engine.has_unfinished_requests()
+
+
+# ---- sampling precedence and --verbose ---------------------------------------------------------
+class _StubLLM:
+    """Just what with_cli_defaults reads: the engine's sampling defaults."""
+
+    def __init__(self, values: dict) -> None:
+        from types import SimpleNamespace
+
+        from kvflow.loader.generation_config import SamplingDefaults
+
+        self.engine = SimpleNamespace(sampling_defaults=SamplingDefaults(values, "test"))
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "model", "expected"),
+    [
+        # no flags: the model's defaults, its max_tokens over the command's own
+        ("generate", [], {"temperature": 0.2, "top_p": 0.9, "max_tokens": 64}, (0.2, 0.9, 64)),
+        # a flag wins over the model, even when it equals vLLM's default
+        ("generate", ["--temperature", "1.0", "--max-tokens", "8"], {"temperature": 0.2, "top_p": 0.9}, (1.0, 0.9, 8)),
+        # a model without defaults (or --generation-config vllm): vLLM's, and the command's max_tokens
+        ("generate", [], {}, (1.0, 1.0, 256)),
+        ("chat", [], {}, (1.0, 1.0, 512)),
+        ("chat", ["--top-p", "0.5"], {"temperature": 0.2, "top_p": 0.9}, (0.2, 0.5, 512)),
+    ],
+)
+def test_sampling_precedence(command, flags, model, expected):
+    args = cli.build_parser().parse_args([command, *(["hi"] if command == "generate" else []), *flags])
+    params = cli.with_cli_defaults(cli.sampling_params_from_args(args), args, _StubLLM(model))
+    assert (params.temperature, params.top_p, params.max_tokens) == expected
+
+
+def test_sampling_flags_default_to_unset_and_generation_config_reaches_the_engine():
+    args = cli.build_parser().parse_args(["generate", "hi", "--generation-config", "vllm"])
+    assert cli.sampling_params_from_args(args).explicit_fields == frozenset()
+    assert cli.engine_config_from_args(args).generation_config == "vllm"
+    assert cli.engine_config_from_args(cli.build_parser().parse_args(["serve"])).generation_config == "auto"
+
+
+def test_generate_uses_the_model_defaults_and_verbose_prints_stats(monkeypatch, offline_llm, capsys):
+    seen = []
+    real = type(offline_llm).generate
+
+    def spy(self, prompts, params=None, **kwargs):
+        seen.append(params)
+        return real(self, prompts, params, **kwargs)
+
+    monkeypatch.setattr(type(offline_llm), "generate", spy)
+    monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)
+    args = cli.build_parser().parse_args(["generate", "The capital of France is", "--max-tokens", "5",
+                                          "--sampling-seed", "0", "--verbose"])
+    assert cli.run_generate(args) == 0
+    assert (seen[0].temperature, seen[0].top_p, seen[0].max_tokens) == (0.2, 0.9, 5)
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "tokens" not in captured.out  # stdout is the text alone
+    stats = captured.err.strip().splitlines()[-1]
+    assert "prompt: 5 tokens" in stats and "output: " in stats and "TTFT: " in stats and "tokens/s" in stats
+
+
+def test_chat_reset_and_verbose(monkeypatch, offline_llm):
+    stdin = io.StringIO("Say hello.\n/reset\nSay goodbye.\n/bye\n")
+    stdout = io.StringIO()
+    args = cli.build_parser().parse_args(["chat", "--max-tokens", "4", "--verbose", "--system", "Be brief.",
+                                          *SMALL_ENGINE])
+    seen: list[list[dict]] = []
+    real = type(offline_llm).apply_chat_template
+
+    def spy(self, conversation, add_generation_prompt=True):
+        seen.append([dict(m) for m in conversation])
+        return real(self, conversation, add_generation_prompt)
+
+    monkeypatch.setattr(type(offline_llm), "apply_chat_template", spy)
+    monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)
+    assert cli.run_chat(args, stdin=stdin, stdout=stdout) == 0
+    # After /reset the second question starts a new conversation (the system prompt stays).
+    assert [[m["role"] for m in c] for c in seen] == [["system", "user"], ["system", "user"]]
+    assert seen[1][1]["content"] == "Say goodbye."
+    text = stdout.getvalue()
+    assert "temperature=0.2" in text.splitlines()[0]  # the defaults in use, shown up front
+    assert text.count("TTFT: ") == 2 and text.count("output: ") == 2
+    assert "(new conversation)" in text

@@ -112,6 +112,31 @@ def speeds_from_result(path: str) -> list[dict]:
     raise ValueError(f"{path}: not a bench throughput or bench latency result (kind {kind!r})")
 
 
+def _exceeded(f: Fraction) -> dict[str, float]:
+    """The ceilings this speed is above: {name: achieved / ceiling}."""
+    shares = {"compute": f.compute_fraction, "memory bandwidth": f.bandwidth_fraction, "roofline": f.roofline_fraction}
+    return {name: x for name, x in shares.items() if x is not None and x > 1.0}
+
+
+def ceiling_warnings(fractions: list[Fraction]) -> list[str]:
+    """A run cannot beat a true ceiling: one it beats was measured while the machine was busy."""
+    warnings = []
+    for f in fractions:
+        over = _exceeded(f)
+        if over:
+            worst = ", ".join(f"{name} {x:.2f}x" for name, x in over.items())
+            warnings.append(
+                f"warning: {f.phase} ran faster than the ceiling measured now ({worst} of it): the machine was "
+                "busier while the ceilings were measured than during the run, so these ceilings are too low; "
+                "rerun `kvflow bench roofline` on an idle machine (no shares above 100% are printed)"
+            )
+    return warnings
+
+
+def _share(x: float) -> str:
+    return f"{x:.1%}" if x <= 1.0 else "above the measured ceiling (see the warning)"
+
+
 def describe(cost: ModelCost, ceilings, fractions: list[Fraction]) -> str:
     gf = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in ceilings.matmul_gflops.items())
     lines = [
@@ -124,13 +149,14 @@ def describe(cost: ModelCost, ceilings, fractions: list[Fraction]) -> str:
     ]
     for f in fractions:
         line = (f"{f.phase}: {f.tokens_per_s:.1f} tok/s = {f.achieved_gflops:.1f} GFLOP/s = "
-                f"{f.compute_fraction:.1%} of the compute ceiling")
+                f"{_share(f.compute_fraction)} of the compute ceiling")
         if f.bandwidth_fraction is not None:
-            line += f"; {f.achieved_gbps:.1f} GB/s of weights = {f.bandwidth_fraction:.1%} of memory bandwidth"
+            line += f"; {f.achieved_gbps:.1f} GB/s of weights = {_share(f.bandwidth_fraction)} of memory bandwidth"
         if f.roofline_fraction is not None:
             line += (f"; roofline ({f.bound}-bound) {f.roofline_tokens_per_s:.0f} tok/s -> "
-                     f"{f.roofline_fraction:.1%} of it")
+                     f"{_share(f.roofline_fraction)} of it")
         lines.append(line)
+    lines.extend(ceiling_warnings(fractions))
     if not fractions:
         lines.append("(give --result or --prefill-tokens-per-s / --decode-tokens-per-s for the achieved fractions)")
     return "\n".join(lines)
@@ -183,5 +209,6 @@ def run(args: argparse.Namespace) -> list[Fraction]:
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"kind": "roofline", "ceilings": asdict(ceilings), "model_cost": asdict(cost),
-                       "fractions": [asdict(x) for x in fractions], "results": args.result}, f, indent=2)
+                       "fractions": [asdict(x) for x in fractions], "results": args.result,
+                       "warnings": ceiling_warnings(fractions)}, f, indent=2)
     return fractions

@@ -81,3 +81,22 @@ def test_roofline_command(tiny_models, tmp_path, capsys):
     assert kv["tokens_per_s"] == pytest.approx(60.0)
     assert kv["compute_fraction"] == pytest.approx(2 * hf["compute_fraction"])  # same work in half the time
     assert report["model_cost"]["dtype"] == "float32"
+
+
+def test_a_run_above_the_measured_ceiling_warns_instead_of_a_share_above_100_percent():
+    """A busy machine measures too low a ceiling; the run then 'beats' it, which must not print as 150 %."""
+    from types import SimpleNamespace
+
+    cost = rl.ModelCost("bfloat16", 50, 50, flops_per_prompt_token=1e8, flops_per_output_token=2e8,
+                        weight_bytes_per_decode_step=10**8)
+    ceilings = SimpleNamespace(matmul_gflops={"bfloat16": 200.0}, num_threads=2, matmul_size=64, reps=2,
+                               read_gbps=50.0, bandwidth_mib=4)
+    fine = rl.prefill_fraction(cost, prompt_tokens_per_s=1000, gflops_ceiling=200)  # 50 %
+    over = rl.decode_fraction(cost, tokens_per_s=750, gflops_ceiling=200, read_gbps=50, batch_size=1)  # 1.5x roofline
+    assert rl.ceiling_warnings([fine]) == []
+    warnings = rl.ceiling_warnings([fine, over])
+    assert len(warnings) == 1 and "decode (batch 1)" in warnings[0] and "busier" in warnings[0]
+    assert "roofline 1.50x" in warnings[0] and "memory bandwidth 1.50x" in warnings[0]
+    text = rl.describe(cost, ceilings, [fine, over])
+    assert "50.0% of the compute ceiling" in text
+    assert "150.0%" not in text and "above the measured ceiling" in text and warnings[0] in text

@@ -69,9 +69,11 @@ class SamplingParams:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
         # __new__ sees the constructor's own arguments, which the generated __init__ does not keep.
+        # (copy and pickle call __new__ without arguments and then restore `_explicit` themselves.)
         self = super().__new__(cls)
         named = {f.name for f in fields(cls)[: len(args)]} | set(kwargs)
-        object.__setattr__(self, "_pending_explicit", named)
+        if named:
+            object.__setattr__(self, "_pending_explicit", named)
         return self
 
     def __post_init__(self) -> None:
@@ -85,6 +87,13 @@ class SamplingParams:
         explicit = self.__dict__.get("_explicit")
         if explicit is not None and name in _FIELD_NAMES:
             explicit.add(name)
+
+    def __copy__(self) -> "SamplingParams":
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        if "_explicit" in self.__dict__:  # a copy tracks its own assignments, not the original's
+            new.__dict__["_explicit"] = set(self.__dict__["_explicit"])
+        return new
 
     @property
     def explicit_fields(self) -> frozenset[str]:

@@ -132,3 +132,15 @@ def test_with_defaults_copies_and_validates() -> None:
         SamplingParams().with_defaults({"top_p": 2.0})
     with pytest.raises(ValueError, match="unknown field"):
         SamplingParams().with_defaults({"do_sample": True})
+
+
+def test_copies_track_their_own_explicit_fields() -> None:
+    import copy
+    import pickle
+
+    original = SamplingParams(temperature=0.3)
+    shallow = copy.copy(original)
+    shallow.top_p = 0.5
+    assert original.explicit_fields == {"temperature"} and shallow.explicit_fields == {"temperature", "top_p"}
+    for clone in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        assert clone == original and clone.explicit_fields == {"temperature"}

@@ -6,9 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 namespace kvflow {
 
@@ -73,7 +71,7 @@ struct BF16 {
     static inline float round(float x) { return bf16_to_float(float_to_bf16(x)); }
 };
 
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 // e^x as 2^n * e^r with |r| <= ln2/2 and a degree-7 Taylor polynomial for e^r (relative
 // error below 1e-8, under float32's epsilon). Inputs are clamped to [-100, 88]: e^-100 comes
 // out as 0 through scalef, and -inf never meets the range reduction.
@@ -108,6 +106,18 @@ inline __m512 sum_lanes16(const __m512* a) {
         d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// The sum of a vector's 16 lanes in a fixed order (halves, then quarters, then pairs), spelled
+// out so that it does not depend on how a compiler expands _mm512_reduce_add_ps;
+// attention_ref.h's reduce16 is the same sum one lane at a time.
+inline float reduce_add16(__m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 h = _mm256_add_ps(lo, hi);                                             // l[i] + l[i + 8]
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // h[i] + h[i + 4]
+    const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));                                // q0 + q2, q1 + q3
+    return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
 }
 
 // max(row[0:len)), len >= 1: the first pass of an exact softmax.

@@ -12,7 +12,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_AVX512BF16)
 #include <immintrin.h>
 
 namespace kvflow {

@@ -59,7 +59,7 @@ void silu_and_mul(const typename Dt::T* gate_up, typename Dt::T* out, int64_t ro
         const T* up = gate + inter;
         T* dst = out + r * inter;
         int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
         // Vectorised e^x: the scalar expf of the loop below would dominate the whole op.
         for (; i + 16 <= inter; i += 16) {
             const __m512 g = kvflow::load16(gate + i);

@@ -12,7 +12,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 #include <immintrin.h>
 
 namespace kvflow {

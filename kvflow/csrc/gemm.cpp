@@ -65,7 +65,7 @@ void for_each_block(int64_t m, int64_t n, Block block) {
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 // Writes one 16-column float32 accumulator of a row block: + bias, masked at N, rounded to
 // the output dtype.
 template <typename Dt>
@@ -113,13 +113,13 @@ void kvflow_pack_f32_weight(const float* w, int64_t n, int64_t k, float* packed)
     pack_weight<float, 1>(w, n, k, packed);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_AVX512BF16)
 int kvflow_has_gemm_bf16() { return 1; }
 #else
 int kvflow_has_gemm_bf16() { return 0; }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 int kvflow_has_gemm_f32() { return 1; }
 #else
 int kvflow_has_gemm_f32() { return 0; }
@@ -127,7 +127,7 @@ int kvflow_has_gemm_f32() { return 0; }
 
 int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_AVX512BF16)
     return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
@@ -137,7 +137,7 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
 
 int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
                     const float* bias, float* y, int64_t y_stride) {
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
     return gemm<kvflow::F32>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;

@@ -11,7 +11,7 @@
 #include "dpbf16.h"
 #include "fma_f32.h"
 
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 #include <immintrin.h>
 
 namespace kvflow {
@@ -19,7 +19,7 @@ namespace kvflow {
 template <typename Dt>
 struct Micro;
 
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_AVX512BF16)
 template <>
 struct Micro<BF16> {
     static constexpr int64_t G = 2;

@@ -28,8 +28,10 @@
 
 #include <omp.h>
 
+#include "attention_ref.h"
 #include "common.h"
 #include "decode_pv.h"
+#include "decode_qk.h"
 #include "dpbf16.h"
 #include "kernels.h"
 
@@ -38,167 +40,12 @@ namespace {
 using kvflow::BF16;
 using kvflow::F32;
 
-constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxGroup = static_cast<int>(kvflow::ref::kMaxRefRows);  // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 
-// Portable reference: any head_dim, any x86 or ARM compiler. The AVX-512 path below is the
-// fast one; the tests run both against PyTorch.
-template <typename Dt>
-void decode_item_portable(const typename Dt::T* q, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
-                          const int64_t* table, int64_t len, typename Dt::T* out, int64_t group, int64_t head_dim,
-                          int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
-                          float* scores) {
-    using T = typename Dt::T;
-    float qf[kMaxGroup][kMaxHeadDim];
-    for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) qf[g][d] = Dt::load(q[g * head_dim + d]);
-    for (int64_t t = 0; t < len; ++t) {
-        const T* kblock = key_cache + table[t / block_size] * block_stride;  // this item's head
-        for (int64_t g = 0; g < group; ++g) {
-            float acc = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d)
-                acc += qf[g][d] * Dt::load(kblock[kvflow::key_offset<T>(t % block_size, 0, d, head_dim, block_size)]);
-            scores[g * len + t] = acc * scale;
-        }
-    }
-    float inv_sum[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) {
-        float* row = scores + g * len;
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) mx = row[t] > mx ? row[t] : mx;
-        for (int64_t t = 0; t < len; ++t) sum += (row[t] = std::exp(row[t] - mx));
-        inv_sum[g] = 1.f / sum;
-    }
-    float acc[kMaxGroup][kMaxHeadDim] = {};
-    for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        for (int64_t g = 0; g < group; ++g)
-            for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += scores[g * len + t] * Dt::load(vrow[d]);
-    }
-    for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = Dt::store(acc[g][d] * inv_sum[g]);
-}
-
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 using kvflow::load16;
-using namespace kvflow::decode;  // softmax and p.V (decode_pv.h)
-
-// Registers blocked for one head_dim (NV = head_dim / 16 float32 vectors per row) so that the
-// accumulators of the q.k and p.V products stay in registers; a runtime head_dim would keep
-// them in memory and triple the kernel's time.
-
-// Where the 16 keys of a q.k step are: `kcell0` points at dim group 0 of the first of them,
-// and the group g of key i is at kcell0 + g * block_size * G, plus, when the keys span blocks
-// (block_size not a multiple of 16), byte offset i of `lo`/`hi` (lanes 0-7, 8-15).
-template <typename T, bool kGather>
-inline __m512i key_cells16(const T* kcell0, int64_t g, int64_t block_size, __m512i lo, __m512i hi) {
-    const T* cells = kcell0 + g * block_size * kvflow::kKeyGroup<T>;
-    if constexpr (!kGather) {
-        (void)lo; (void)hi;
-        return _mm512_loadu_si512(cells);
-    } else {
-        const __m256i a = _mm512_i64gather_epi32(lo, cells, 1), b = _mm512_i64gather_epi32(hi, cells, 1);
-        return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-    }
-}
-
-// scores[r, t0 + i] = scale * q[r] . k[t0 + i] for R query rows of one KV head and 16 keys
-// (`valid` of them real). Keys are stored dimension-major, so one dim group of the 16 keys is
-// one 64-byte vector: each q element (a dim pair in bf16, for vdpbf16ps) is broadcast and
-// multiplied into 16 scores at once, with no horizontal sums (measured 11 % faster in float32
-// and 15 % in bf16 than 16 token-major rows and a transpose-add, cold caches). P partial sums
-// per row keep R x P FMA chains in flight. bf16 without AVX512-BF16 splits each pair into its
-// two dims and takes float32 FMAs.
-template <typename Dt, int NV, int R, bool kGather>
-inline void scores16(const typename Dt::T* q, const typename Dt::T* kcell0, int64_t block_size, __m512i lo,
-                     __m512i hi, __mmask16 valid, __m512 vscale, float* out, int64_t len) {
-    using T = typename Dt::T;
-    constexpr int64_t D = NV * 16, G = kvflow::kKeyGroup<T>, kGroups = D / G;
-    constexpr int P = 4;
-    static_assert(kGroups % P == 0, "head_dim / G must be a multiple of 4");
-    __m512 acc[R][P];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < P; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < kGroups; g += P) {
-        for (int i = 0; i < P; ++i) {
-            const __m512i cells = key_cells16<T, kGather>(kcell0, g + i, block_size, lo, hi);
-            if constexpr (std::is_same_v<Dt, BF16>) {
-#if defined(__AVX512BF16__)
-                for (int r = 0; r < R; ++r) {
-                    int32_t pair;
-                    std::memcpy(&pair, q + r * D + 2 * (g + i), sizeof(pair));
-                    acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)cells);
-                }
-#else
-                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(cells, 16));
-                const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(cells, _mm512_set1_epi32(int32_t(0xffff0000u))));
-                for (int r = 0; r < R; ++r) {
-                    const T* qp = q + r * D + 2 * (g + i);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(Dt::load(qp[0])), even, acc[r][i]);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(Dt::load(qp[1])), odd, acc[r][i]);
-                }
-#endif
-            } else {
-                const __m512 kv = _mm512_castsi512_ps(cells);
-                for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + g + i]), kv, acc[r][i]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-        _mm512_mask_storeu_ps(out + r * len, valid, _mm512_mul_ps(sum, vscale));
-    }
-}
-
-// One KV head's query rows [r, r_end) against 16 keys, R rows at a time.
-template <typename Dt, int NV, bool kGather>
-inline void head_scores16(const typename Dt::T* q, int64_t r, int64_t r_end, const typename Dt::T* kh,
-                          int64_t block_size, __m512i lo, __m512i hi, __mmask16 valid, __m512 vscale, float* scores,
-                          int64_t len) {
-    constexpr int64_t D = NV * 16;
-    for (; r + 4 <= r_end; r += 4)
-        scores16<Dt, NV, 4, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len);
-    switch (r_end - r) {
-        case 3: scores16<Dt, NV, 3, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len); break;
-        case 2: scores16<Dt, NV, 2, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len); break;
-        case 1: scores16<Dt, NV, 1, kGather>(q + r * D, kh, block_size, lo, hi, valid, vscale, scores + r * len, len); break;
-        default: break;
-    }
-}
-
-// The fast path's q.k for an item's KV heads. All heads of a block are used before moving on,
-// so each block of the pool is read once, front to back. With block_size a multiple of 16 the
-// 16 keys of a step share one block and are one load per dim group; otherwise they are
-// gathered from the blocks they span.
-template <typename Dt, int NV>
-void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const int64_t* table, int64_t len,
-                 int64_t num_item_heads, int64_t group, int64_t block_size, int64_t block_stride, float scale,
-                 float* scores) {
-    using T = typename Dt::T;
-    constexpr int64_t D = NV * 16, G = kvflow::kKeyGroup<T>;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const bool contiguous = block_size % 16 == 0;
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const __mmask16 valid = kvflow::tail_mask(len - t0);
-        if (contiguous) {
-            const T* kb = key_cache + table[t0 / block_size] * block_stride + (t0 % block_size) * G;
-            for (int64_t h = 0; h < num_item_heads; ++h)
-                head_scores16<Dt, NV, false>(q, h * group, (h + 1) * group, kb + h * D * block_size, block_size,
-                                             _mm512_setzero_si512(), _mm512_setzero_si512(), valid, vscale,
-                                             scores + t0, len);
-            continue;
-        }
-        alignas(64) int64_t offset[16];  // bytes from the cache to each key's first cell
-        for (int64_t i = 0; i < 16; ++i) {
-            const int64_t t = std::min(t0 + i, len - 1);  // past the end: re-read the last key (masked)
-            offset[i] = (table[t / block_size] * block_stride + (t % block_size) * G) * static_cast<int64_t>(sizeof(T));
-        }
-        const __m512i lo = _mm512_load_si512(offset), hi = _mm512_load_si512(offset + 8);
-        for (int64_t h = 0; h < num_item_heads; ++h)
-            head_scores16<Dt, NV, true>(q, h * group, (h + 1) * group, key_cache + h * D * block_size, block_size, lo,
-                                        hi, valid, vscale, scores + t0, len);
-    }
-}
+using namespace kvflow::decode;  // q.k (decode_qk.h), softmax and p.V (decode_pv.h)
 
 // One sequence's query rows for `num_item_heads` adjacent KV heads. work: rows x (head_dim + 1)
 // floats of scratch (the output accumulators and each row's 1 / sum).
@@ -215,20 +62,30 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
     item_scores<Dt, NV>(q, key_cache, table, len, num_item_heads, group, block_size, block_stride, scale, scores);
     std::fill(acc, acc + rows * head_dim, 0.f);
     const int64_t num_blocks = (len + block_size - 1) / block_size;
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<Dt, BF16> && NV % 2 == 0) {
+#if defined(KVFLOW_AVX512BF16)
+    if constexpr (std::is_same_v<Dt, BF16>) {
         softmax_rows_bf16(scores, rows, len, inv_sum);
         const uint16_t* p = reinterpret_cast<const uint16_t*>(scores);
-        for (int64_t b = 0; b < num_blocks; ++b) {
-            const T* vblock = value_cache + table[b] * block_stride;
-            const int64_t t_begin = b * block_size, t_end = std::min(len, t_begin + block_size);
+        // Blocks of an even size hold whole pairs: block by block, all heads of a block before
+        // the next. An odd size (rare) splits pairs across blocks: each key's row via the table.
+        if (block_size % 2 == 0) {
+            for (int64_t b = 0; b < num_blocks; ++b) {
+                const int64_t t_begin = b * block_size, t_end = std::min(len, t_begin + block_size);
+                for (int64_t h = 0; h < num_item_heads; ++h) {
+                    const T* vrow0 = value_cache + table[b] * block_stride + h * head_dim;
+                    pv_pairs<NV>(p + h * group * 2 * len, 2 * len, group, t_begin, t_end,
+                                 [=](int64_t t) { return vrow0 + (t - t_begin) * token_stride; },
+                                 acc + h * group * head_dim);
+                }
+            }
+        } else {
             for (int64_t h = 0; h < num_item_heads; ++h)
-                pv_block_pairs<NV>(p + h * group * 2 * len, 2 * len, group, vblock + h * head_dim, t_begin, t_end,
-                                   token_stride, acc + h * group * head_dim);
+                pv_pairs<NV>(p + h * group * 2 * len, 2 * len, group, 0, len, [=](int64_t t) {
+                    return value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride +
+                           h * head_dim;
+                }, acc + h * group * head_dim);
         }
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t d = 0; d < head_dim; ++d)
-                out[r * head_dim + d] = Dt::store(acc[r * head_dim + pair_lane_of_dim(d)] * inv_sum[r]);
+        for (int64_t r = 0; r < rows; ++r) store_pair_row<NV>(acc + r * head_dim, inv_sum[r], out + r * head_dim);
         return;
     }
 #endif
@@ -257,11 +114,16 @@ DecodeItemFn<Dt> decode_item_for(int64_t nv) {
     }
 }
 
-// The AVX-512 item function for a head_dim, or null (then the portable loops run): it needs
-// head_dim a multiple of 16, for its register blocks; any block size.
+// The AVX-512 item function for a head_dim, or null (then attention_ref.h runs): it needs
+// head_dim a multiple of 16, for its register blocks, and in bf16 AVX512-BF16 (the numerics
+// pair keys as vdpbf16ps does); any block size.
 template <typename Dt>
 DecodeItemFn<Dt> fast_item(int64_t head_dim) {
-    return head_dim % 16 == 0 && head_dim <= kMaxHeadDim ? decode_item_for<Dt>(head_dim / 16) : nullptr;
+#if !defined(KVFLOW_AVX512BF16)
+    if constexpr (std::is_same_v<Dt, BF16>) return nullptr;
+    else
+#endif
+        return head_dim % 16 == 0 && head_dim <= kMaxHeadDim ? decode_item_for<Dt>(head_dim / 16) : nullptr;
 }
 #endif
 
@@ -273,7 +135,7 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
     const DecodeItemFn<Dt> fast = portable ? nullptr : fast_item<Dt>(head_dim);
     portable = fast == nullptr;
 #else
@@ -304,16 +166,16 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
             const int64_t q_offset = s * q_stride + h * group * head_dim;
             const int64_t out_offset = (s * num_heads + h * group) * head_dim;
             const int64_t* table = block_tables + s * block_table_stride;
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
             if (!portable) {
                 fast(q + q_offset, key_cache + h * head_dim * block_size, value_cache + h * head_dim, table, len, out + out_offset,
                      item_heads, group, block_size, token_stride, block_stride, scale, scores.data(), work.data());
                 continue;
             }
 #endif
-            decode_item_portable<Dt>(q + q_offset, key_cache + h * head_dim * block_size, value_cache + h * head_dim, table, len,
-                                     out + out_offset, group, head_dim, block_size, token_stride, block_stride, scale,
-                                     scores.data());
+            kvflow::ref::attend_rows<Dt>(q + q_offset, group, key_cache + h * head_dim * block_size, value_cache + h * head_dim,
+                                         table, len, out + out_offset, head_dim, block_size, token_stride, block_stride,
+                                         scale, scores.data(), work.data());
         }
     }
 }
@@ -349,7 +211,7 @@ int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t 
 
 // 1 when decode attention in this dtype (0 float32, 1 bf16) runs its AVX-512 path for this head_dim.
 int kvflow_decode_fast_path(int dtype, int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
     return (dtype == 0 ? fast_item<F32>(head_dim) != nullptr : fast_item<BF16>(head_dim) != nullptr) ? 1 : 0;
 #else
     (void)dtype; (void)head_dim;

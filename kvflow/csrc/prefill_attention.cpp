@@ -26,11 +26,12 @@
 
 #include <omp.h>
 
+#include "attention_ref.h"
 #include "common.h"
 #include "kernels.h"
 #include "microkernel.h"
 
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
 namespace {
 
 using kvflow::BF16;
@@ -48,7 +49,7 @@ inline __m512 store_probs(float* p, __m512 e) {
     _mm512_storeu_ps(p, e);
     return e;
 }
-#if defined(__AVX512BF16__)
+#if defined(KVFLOW_AVX512BF16)
 inline __m512 store_probs(uint16_t* p, __m512 e) {
     kvflow::Micro<BF16>::store(p, e, 0xffff);
     return kvflow::Micro<BF16>::load(p, 0xffff);
@@ -164,7 +165,7 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
                 const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
                 sum = _mm512_add_ps(sum, store_probs(prow + t, e));
             }
-            inv_sum[r] = 1.f / _mm512_reduce_add_ps(sum);
+            inv_sum[r] = 1.f / kvflow::reduce_add16(sum);
         }
         // out = P V, each row block only over its visible keys.
         for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
@@ -264,10 +265,48 @@ int prefill(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
 }  // namespace
 #endif
 
+namespace {
+
+// Prefill attention with attention_ref.h, one query position (all query heads of a KV head)
+// at a time: where the AVX-512 path does not run (another CPU, a head_dim that is not a
+// multiple of 16), so that a chunk's rows keep the bits a decode of the same row gives.
+template <typename Dt>
+int prefill_portable(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key_cache,
+                     const typename Dt::T* value_cache, const int64_t* block_tables, int64_t block_table_stride,
+                     const int64_t* query_start, const int64_t* seq_lens, typename Dt::T* out, int64_t out_stride,
+                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                     float scale) {
+    const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+    if (group > kvflow::ref::kMaxRefRows) return -1;
+    const int64_t row0 = query_start[0], num_rows = query_start[num_seqs] - row0;  // q/out rows of the chunks
+    std::vector<int64_t> row_seq;  // the sequence of each of those rows
+    for (int64_t s = 0; s < num_seqs; ++s) row_seq.insert(row_seq.end(), query_start[s + 1] - query_start[s], s);
+#pragma omp parallel
+    {
+        std::vector<float> scores, acc(static_cast<size_t>(group * head_dim));
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < num_rows * num_kv_heads; ++item) {
+            const int64_t row = row0 + item / num_kv_heads, h = item % num_kv_heads, s = row_seq[row - row0];
+            const int64_t n = query_start[s + 1] - query_start[s];
+            const int64_t len = seq_lens[s] - n + (row - query_start[s]) + 1;  // keys this position sees
+            scores.resize(static_cast<size_t>(group * len));
+            kvflow::ref::attend_rows<Dt>(q + row * q_stride + h * group * head_dim, group,
+                                         key_cache + h * head_dim * block_size, value_cache + h * head_dim,
+                                         block_tables + s * block_table_stride, len,
+                                         out + row * out_stride + h * group * head_dim, head_dim, block_size,
+                                         token_stride, block_stride, scale, scores.data(), acc.data());
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
 // Sets the bytes of packed K/V prefill attention holds at a time (a long context is packed in
 // rounds within it); returns the previous value. Process-wide; the tests use it to force rounds.
 extern "C" int64_t kvflow_prefill_pack_budget(int64_t bytes) {
-#if defined(__AVX512F__)
+#if defined(KVFLOW_AVX512F)
     const int64_t previous = g_pack_budget;
     g_pack_budget = bytes;
     return previous;
@@ -285,25 +324,36 @@ extern "C" int kvflow_paged_prefill_attention(int dtype, const void* q, int64_t 
                                               const int64_t* seq_lens, void* out, int64_t out_stride,
                                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                               int64_t head_dim, int64_t block_size, float scale) {
-    if (head_dim % 16 != 0 || head_dim > 256 || num_heads % num_kv_heads != 0) return -1;
-#if defined(__AVX512F__)
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
+    [[maybe_unused]] const bool avx512_shape = head_dim % 16 == 0 && head_dim <= 256;
     if (dtype == 0) {
-        return prefill<F32>(static_cast<const float*>(q), q_stride, static_cast<const float*>(key_cache),
-                            static_cast<const float*>(value_cache), block_tables, block_table_stride, query_start,
-                            seq_lens, static_cast<float*>(out), out_stride, num_seqs, num_heads, num_kv_heads,
-                            head_dim, block_size, scale);
+#if defined(KVFLOW_AVX512F)
+        if (avx512_shape)
+            return prefill<F32>(static_cast<const float*>(q), q_stride, static_cast<const float*>(key_cache),
+                                static_cast<const float*>(value_cache), block_tables, block_table_stride, query_start,
+                                seq_lens, static_cast<float*>(out), out_stride, num_seqs, num_heads, num_kv_heads,
+                                head_dim, block_size, scale);
+#endif
+        return prefill_portable<kvflow::F32>(static_cast<const float*>(q), q_stride,
+                                             static_cast<const float*>(key_cache),
+                                             static_cast<const float*>(value_cache), block_tables, block_table_stride,
+                                             query_start, seq_lens, static_cast<float*>(out), out_stride, num_seqs,
+                                             num_heads, num_kv_heads, head_dim, block_size, scale);
     }
-#if defined(__AVX512BF16__)
     if (dtype == 1) {
-        return prefill<BF16>(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(key_cache),
-                             static_cast<const uint16_t*>(value_cache), block_tables, block_table_stride, query_start,
-                             seq_lens, static_cast<uint16_t*>(out), out_stride, num_seqs, num_heads, num_kv_heads,
-                             head_dim, block_size, scale);
+#if defined(KVFLOW_AVX512F) && defined(KVFLOW_AVX512BF16)
+        if (avx512_shape)
+            return prefill<BF16>(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(key_cache),
+                                 static_cast<const uint16_t*>(value_cache), block_tables, block_table_stride,
+                                 query_start, seq_lens, static_cast<uint16_t*>(out), out_stride, num_seqs, num_heads,
+                                 num_kv_heads, head_dim, block_size, scale);
+#endif
+        return prefill_portable<kvflow::BF16>(static_cast<const uint16_t*>(q), q_stride,
+                                              static_cast<const uint16_t*>(key_cache),
+                                              static_cast<const uint16_t*>(value_cache), block_tables,
+                                              block_table_stride, query_start, seq_lens, static_cast<uint16_t*>(out),
+                                              out_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                              scale);
     }
-#endif
-#endif
-    (void)dtype; (void)q; (void)q_stride; (void)key_cache; (void)value_cache; (void)block_tables;
-    (void)block_table_stride; (void)query_start; (void)seq_lens; (void)out; (void)out_stride; (void)num_seqs;
-    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale;
     return -2;
 }

@@ -59,23 +59,40 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the kernels (or find them already compiled) and return the library's path."""
+def _simde_flags() -> list[str]:
+    """Compiler flags that build the AVX-512 paths on any x86-64 CPU through SIMDe (csrc/isa.h)."""
+    try:
+        import simde_py
+    except ImportError as exc:
+        raise RuntimeError("emulating AVX-512 needs the simde-py package (pip install simde-py)") from exc
+    # -O1: the emulated library is for checking numerics, and SIMDe's headers make -O3 builds
+    # take minutes; no contraction of SIMDe's separate multiplies and adds into FMAs either.
+    return ["-O1", "-ffp-contract=off", "-DKVFLOW_SIMDE", f"-I{simde_py.get_include()}"]
+
+
+def build(verbose: bool = False, emulate_avx512: bool = False) -> Path:
+    """Compile the kernels (or find them already compiled) and return the library's path.
+
+    `emulate_avx512` builds a test-only variant whose AVX-512 paths run on any x86-64 CPU,
+    emulated instruction by instruction (slowly): CI machines without AVX-512 use it to check
+    those kernels' numerics."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    flags = [*(f for f in _FLAGS if f != "-O3"), *_simde_flags()] if emulate_avx512 else _FLAGS
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     # -march=native: a library built on one CPU must not be picked up on another.
-    for part in [*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags()]:
+    for part in [*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(flags).encode(), version.encode(), _cpu_flags()]:
         digest.update(part)
-    target = _cache_dir() / f"kvflow_cpu_{digest.hexdigest()[:16]}.so"
+    name = "kvflow_cpu_simde" if emulate_avx512 else "kvflow_cpu"
+    target = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     # Build to a temporary name and rename: concurrent first uses never load a half-written file.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
-    cmd = [cxx, *_FLAGS, *map(str, _SOURCES), "-o", str(partial)]
+    cmd = [cxx, *flags, *map(str, _SOURCES), "-o", str(partial)]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -199,10 +216,10 @@ class CPUKernels:
         return out
 
     def supports_prefill(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        """The prefill kernel runs where the GEMM of its dtype does (its microkernels): bf16 needs
-        AVX512-BF16, float32 AVX-512F; head_dim a multiple of 16 (up to 256)."""
-        return (self.has_gemm(dtype) and num_heads % num_kv_heads == 0
-                and head_dim % 16 == 0 and head_dim <= 256)
+        """The prefill kernel takes what the decode kernel takes (the same numerics): its AVX-512
+        path where the dtype's GEMM microkernels run (bf16: AVX512-BF16, float32: AVX-512F) and
+        head_dim is a multiple of 16, the portable reference (`csrc/attention_ref.h`) elsewhere."""
+        return self.supports(dtype, num_heads, num_kv_heads, head_dim)
 
     def paged_prefill_attention(
         self,
@@ -220,10 +237,9 @@ class CPUKernels:
         num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
         if not heads_contiguous(q) or not out.is_contiguous():
             raise ValueError("paged_prefill_attention: q needs contiguous heads and out must be contiguous")
-        if not (q.dtype == key_cache.dtype == value_cache.dtype == out.dtype) or not self.has_gemm(q.dtype):
-            raise ValueError(f"paged_prefill_attention: q, the caches and out must share one dtype this CPU's kernels "
-                             f"support (bf16 with AVX512-BF16, float32 with AVX-512F); got q {q.dtype}, caches "
-                             f"{key_cache.dtype}/{value_cache.dtype}, out {out.dtype}")
+        if not (q.dtype == key_cache.dtype == value_cache.dtype == out.dtype) or q.dtype not in DTYPE_CODES:
+            raise ValueError(f"paged_prefill_attention: q, the caches and out must share one dtype of {list(DTYPE_CODES)}; "
+                             f"got q {q.dtype}, caches {key_cache.dtype}/{value_cache.dtype}, out {out.dtype}")
         for name, t in (("block_tables", block_tables), ("query_start", query_start), ("seq_lens", seq_lens)):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"paged_prefill_attention: {name} must be contiguous int64")
@@ -382,6 +398,12 @@ def load() -> CPUKernels | None:
     except (RuntimeError, OSError) as exc:
         logger.warning("kvflow CPU kernels unavailable, using the PyTorch path: %s", exc)
         return None
+
+
+@functools.cache
+def load_emulated_avx512() -> CPUKernels:
+    """The test-only build whose AVX-512 paths are emulated (see `build`)."""
+    return CPUKernels(build(emulate_avx512=True))
 
 
 if __name__ == "__main__":

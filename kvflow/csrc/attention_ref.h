@@ -1,0 +1,149 @@
+// kvflow's attention numerics, written out plainly: one query row (or the `rows` query heads
+// of one KV head that share it) against keys [0, len) read through the block table. This is
+// the definition (docs/architecture.md, "Attention numerics"), on any CPU; the decode and
+// prefill kernels run it wherever their AVX-512 paths do not, so that a row's bits never
+// depend on which kernel ran it. The AVX-512 paths compute the same operations in the same
+// order, many keys and rows at a time:
+//   score[t] = (float32 chain over the head's dims in order: float32 one FMA per dim; bf16
+//              one dim pair at a time, the odd dim's product added first, as vdpbf16ps does)
+//              * scale
+//   e[t]     = exp_ref(score[t] - max score); bf16: rounded to bf16 (denormals to zero, as
+//              vcvtneps2bf16 does): p[t]
+//   sum      = reduce16(16 float32 lanes, lane t % 16 summing p[t] in key order); inv = 1 / sum
+//   acc[d]   = float32 chain over keys in order: float32 one FMA per key; bf16 keys in pairs
+//              (t, t + 1), t even, the odd key's product added first (a last odd key pairs
+//              with a zero)
+//   out[d]   = acc[d] * inv, rounded to the storage dtype
+#pragma once
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common.h"
+
+namespace kvflow::ref {
+
+constexpr int64_t kMaxRefRows = 16;  // query heads per KV head (the decode kernel's kMaxGroup)
+
+// exp512 (common.h) one lane at a time: the same clamp, range reduction and polynomial.
+inline float exp_ref(float x) {
+    x = std::fmin(std::fmax(x, -100.f), 88.f);
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    float r = std::fma(-n, 0.693145751953125f, x);
+    r = std::fma(-n, 1.428606765330187045e-06f, r);
+    float p = 1.f / 5040;
+    p = std::fma(p, r, 1.f / 720);
+    p = std::fma(p, r, 1.f / 120);
+    p = std::fma(p, r, 1.f / 24);
+    p = std::fma(p, r, 1.f / 6);
+    p = std::fma(p, r, 0.5f);
+    p = std::fma(p, r, 1.f);
+    p = std::fma(p, r, 1.f);
+    return std::ldexp(p, static_cast<int>(n));
+}
+
+// float -> bf16 as vcvtneps2bf16: round to nearest even, denormal inputs read as (signed) zero.
+inline uint16_t to_bf16_daz(float x) {
+    if (std::fabs(x) < FLT_MIN) x = std::signbit(x) ? -0.f : 0.f;
+    return float_to_bf16(x);
+}
+
+// The sum of 16 lanes in reduce_add16's order (common.h): halves, then quarters, then pairs.
+inline float reduce16(const float* lane) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; ++i) a[i] = lane[i] + lane[i + 8];
+    for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// `rows` query rows of one KV head (q rows head_dim apart, out likewise) against keys [0, len).
+// key_cache/value_cache point at this KV head's first element in block 0 (keys
+// dimension-major, common.h). scores: rows x len floats of scratch; acc: rows x head_dim.
+// The loops run over keys (q.k) and dims (p.V) innermost, so that a compiler can vectorize
+// them without reordering any one sum: each lane carries its own key's or dim's chain.
+template <typename Dt>
+void attend_rows(const typename Dt::T* q, int64_t rows, const typename Dt::T* key_cache,
+                 const typename Dt::T* value_cache, const int64_t* table, int64_t len, typename Dt::T* out,
+                 int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
+                 float* scores, float* acc) {
+    using T = typename Dt::T;
+    constexpr bool kBF16 = std::is_same_v<Dt, BF16>;
+    constexpr int64_t G = kKeyGroup<T>;
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* kblock = key_cache + table[t0 / block_size] * block_stride;  // cell (g, t) at (g * bs + t) * G
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t r = 0; r < rows; ++r) {
+            const T* qr = q + r * head_dim;
+            float* s = scores + r * len + t0;
+            for (int64_t t = 0; t < n; ++t) s[t] = 0.f;
+            for (int64_t g = 0; g < head_dim / G; ++g) {
+                const T* cells = kblock + g * block_size * G;
+                if constexpr (kBF16) {
+                    const float q0 = Dt::load(qr[2 * g]), q1 = Dt::load(qr[2 * g + 1]);
+                    for (int64_t t = 0; t < n; ++t) {  // bf16 products are exact in float32
+                        s[t] += q1 * Dt::load(cells[2 * t + 1]);
+                        s[t] += q0 * Dt::load(cells[2 * t]);
+                    }
+                } else {
+                    for (int64_t t = 0; t < n; ++t) s[t] = std::fma(qr[g], cells[t], s[t]);
+                }
+            }
+            for (int64_t t = 0; t < n; ++t) s[t] *= scale;
+        }
+    }
+    float inv_sum[kMaxRefRows];
+    for (int64_t r = 0; r < rows; ++r) {
+        float* p = scores + r * len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) m = std::fmax(m, p[t]);
+        float lane[16] = {};
+        for (int64_t t = 0; t < len; ++t) {
+            const float e = exp_ref(p[t] - m);
+            p[t] = kBF16 ? bf16_to_float(to_bf16_daz(e)) : e;
+            lane[t % 16] += p[t];
+        }
+        inv_sum[r] = 1.f / reduce16(lane);
+    }
+    for (int64_t i = 0; i < rows * head_dim; ++i) acc[i] = 0.f;
+    auto vrow = [&](int64_t t) {
+        return value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    };
+    for (int64_t t = 0; t < len; t += kBF16 ? 2 : 1) {
+        const T* v0 = vrow(t);
+        if constexpr (kBF16) {
+            const bool pair = t + 1 < len;
+            const T* v1 = pair ? vrow(t + 1) : v0;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float p0 = scores[r * len + t], p1 = pair ? scores[r * len + t + 1] : 0.f;
+                float* a = acc + r * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    a[d] += p1 * (pair ? Dt::load(v1[d]) : 0.f);
+                    a[d] += p0 * Dt::load(v0[d]);
+                }
+            }
+        } else {
+            for (int64_t r = 0; r < rows; ++r) {
+                const float p0 = scores[r * len + t];
+                float* a = acc + r * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fma(p0, v0[d], a[d]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        T* o = out + r * head_dim;
+        const float* a = acc + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+            if constexpr (kBF16) {
+                o[d] = to_bf16_daz(a[d] * inv_sum[r]);
+            } else {
+                o[d] = a[d] * inv_sum[r];
+            }
+        }
+    }
+}
+
+}  // namespace kvflow::ref

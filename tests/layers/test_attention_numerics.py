@@ -1,0 +1,151 @@
+"""One attention numerics: a query row gives the same bits whichever kernel computes it.
+
+docs/architecture.md ("Attention numerics") defines, per dtype, how one query row's output is
+computed; the decode kernel (one query per sequence) and the prefill kernel (chunks, over
+cached context or not) both follow it. So here, for one sequence's K/V in the paged pool:
+  - the whole sequence as one prefill chunk is the reference;
+  - every position again as a decode (alone, and all positions batched as separate sequences);
+  - the same rows cut into chunks of every size from 1 on, with the earlier part as context;
+must all give bitwise the same rows, whatever the block size (odd ones split the bf16 key
+pairs across blocks), head_dim (an odd number of 16-dim vectors) and GQA group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.layers import kv_layout
+from tests.conftest import assert_nearly_bitwise
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", params=["engine", "avx512"])
+def impl(request, kernels):
+    """The kernels twice: as the engine runs them on this CPU (the AVX-512 paths or, without
+    them, the portable reference everywhere), and with the AVX-512 paths forced: native where
+    the CPU has AVX512-BF16, else emulated through SIMDe (csrc/isa.h), so that every CI machine
+    checks the fast kernels' numerics too."""
+    if request.param == "engine":
+        return kernels
+    if kernels.has_gemm_bf16:
+        return kernels
+    from kvflow.layers import cpu_kernels
+
+    return cpu_kernels.load_emulated_avx512()
+
+
+def _pool(kernels, dtype, seq_len, num_kv_heads, head_dim, block_size, seed):
+    """A shuffled block table and a pool holding one sequence's K/V (written by the kernel), NaN elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = -(-seq_len // block_size) + 3
+    table = torch.randperm(num_blocks, generator=g)[: -(-seq_len // block_size)]
+    k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    value_cache = key_cache.clone()
+    positions = torch.arange(seq_len)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    kernels.write_kv(k, v, key_cache, value_cache, slots)
+    return key_cache, value_cache, table
+
+
+def _prefill(kernels, q, key_cache, value_cache, table, chunks, scale):
+    """Rows of q computed as consecutive chunks (sizes `chunks`), each over all keys before it."""
+    out = torch.empty_like(q)
+    done = 0
+    for n in chunks:
+        query_start = torch.tensor([0, n], dtype=torch.int64)
+        seq_lens = torch.tensor([done + n], dtype=torch.int64)
+        part = torch.empty_like(q[done:done + n])
+        kernels.paged_prefill_attention(q[done:done + n].contiguous(), key_cache, value_cache, table[None].contiguous(),
+                                        query_start, seq_lens, part, scale)
+        out[done:done + n] = part
+        done += n
+    return out
+
+
+def _chunks(total: int, size: int) -> list[int]:
+    return [min(size, total - i) for i in range(0, total, size)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 80), (6, 2, 32)],
+                         ids=["gqa3-d64", "mha-d80", "gqa3-d32"])
+def test_decode_and_prefill_rows_are_bitwise_equal(impl, dtype, block_size, num_heads, num_kv_heads, head_dim):
+    kernels = impl
+    seq_len, scale = 83, head_dim**-0.5  # 83: odd, and not a multiple of 16 or of 64 (the q.k tile group)
+    key_cache, value_cache, table = _pool(kernels, dtype, seq_len, num_kv_heads, head_dim, block_size, seed=block_size)
+    q = torch.randn(seq_len, num_heads, head_dim, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+    reference = _prefill(kernels, q, key_cache, value_cache, table, [seq_len], scale)
+    assert not torch.isnan(reference).any()
+
+    # Every position as a decode: all together (one sequence per position, sharing the table)...
+    tables = table[None].expand(seq_len, -1).contiguous()
+    lens = torch.arange(1, seq_len + 1, dtype=torch.int64)
+    batched = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale)
+    mismatched = [t for t in range(seq_len) if not torch.equal(batched[t], reference[t])]
+    assert not mismatched, f"decode rows differ from the prefill rows at positions {mismatched[:10]}"
+    # ... and a few alone (a lone sequence splits its work by KV head instead of by sequence).
+    for t in (0, 1, 16, 63, 64, seq_len - 1):
+        alone = kernels.paged_decode_attention(q[t:t + 1], key_cache, value_cache, table[None].contiguous(),
+                                               lens[t:t + 1], scale)
+        assert torch.equal(alone[0], reference[t]), f"decode of position {t} alone differs from prefill"
+
+    # The portable reference (attention_ref.h) computes the same bits: bitwise in float32; in
+    # bf16 too where vdpbf16ps is emulated as Intel documents it (on real silicon the pair sum
+    # is the instruction's, so at most 1 ulp apart there).
+    portable = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, portable=True)
+    if dtype == torch.bfloat16 and "simde" not in kernels.path.name and kernels.has_gemm_bf16:
+        assert_nearly_bitwise(portable, reference, max_fraction=0.05, label=" (portable vs vdpbf16ps)")
+    else:
+        bad = [t for t in range(seq_len) if not torch.equal(portable[t], reference[t])]
+        assert not bad, f"the portable reference differs from the kernel at positions {bad[:10]}"
+
+    # The same rows as chunks over cached context, chunk sizes from 1 (a one-token chunk) up.
+    for size in (1, 2, 7, 31, 32, 33, 64):
+        chunked = _prefill(kernels, q, key_cache, value_cache, table, _chunks(seq_len, size), scale)
+        assert torch.equal(chunked, reference), f"prefill in chunks of {size} differs from one chunk"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_backend_gives_a_row_the_same_bits_in_any_step(kernels, dtype):
+    """Through the attention backend as the runner calls it: a sequence's last prompt token as
+    a one-token step (decode kernel) or as the end of a longer chunk (prefill kernel), alone or
+    beside other sequences."""
+    from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
+
+    backend = CPUAttentionBackend()
+    heads, kv_heads, head_dim, block_size, seq_len = 9, 3, 64, 16, 40
+    key_cache, value_cache, table = _pool(kernels, dtype, seq_len, kv_heads, head_dim, block_size, seed=3)
+    kv_cache = torch.stack([key_cache, value_cache])
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(seq_len, heads, head_dim, generator=g).to(dtype)
+    keys = kv_layout.keys_token_major(key_cache).reshape(-1, kv_heads, head_dim)
+    values = value_cache.reshape(-1, kv_heads, head_dim)
+    positions = torch.arange(seq_len)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    k, v = keys[slots], values[slots]  # writing them again leaves the pool as it is
+
+    def step(n_new: int, others: int) -> torch.Tensor:
+        """The last n_new tokens as this step's chunk, after `others` unrelated decodes of the same sequence."""
+        context = seq_len - n_new
+        lens = [s for s in range(seq_len - others, seq_len)] + [seq_len]
+        news = [1] * others + [n_new]
+        query_start = [0]
+        for n in news:
+            query_start.append(query_start[-1] + n)
+        rows = list(range(seq_len - others - 1, seq_len - 1)) + list(range(context, seq_len))
+        meta = AttentionMetadata(
+            slot_mapping=slots[rows], query_start_loc=query_start, seq_lens=lens,
+            block_tables=table[None].expand(len(lens), -1).contiguous(),
+            num_decodes=others + (1 if n_new == 1 else 0), block_size=block_size)
+        out = backend.forward(q[rows], k[rows], v[rows], kv_cache, meta, head_dim**-0.5)
+        return out[-1]
+
+    reference = step(seq_len, 0)
+    for n_new, others in [(1, 0), (1, 5), (2, 0), (17, 3), (seq_len, 8)]:
+        assert torch.equal(step(n_new, others), reference), f"chunk of {n_new} beside {others} decodes differs"

@@ -28,6 +28,7 @@
 namespace kvflow::ref {
 
 constexpr int64_t kMaxRefRows = 16;  // query heads per KV head (the decode kernel's kMaxGroup)
+constexpr int64_t kRefPositions = 4;  // query positions prefill hands attend_rows at once
 
 // exp512 (common.h) one lane at a time: the same clamp, range reduction and polynomial.
 inline float exp_ref(float x) {
@@ -60,25 +61,80 @@ inline float reduce16(const float* lane) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// `rows` query rows of one KV head (q rows head_dim apart, out likewise) against keys [0, len).
-// key_cache/value_cache point at this KV head's first element in block 0 (keys
-// dimension-major, common.h). scores: rows x len floats of scratch; acc: rows x head_dim.
-// The loops run over keys (q.k) and dims (p.V) innermost, so that a compiler can vectorize
-// them without reordering any one sum: each lane carries its own key's or dim's chain.
+// The scores' row stride for rows of `len` keys: whole tiles of 16, which scores_tile16 writes.
+inline int64_t score_stride(int64_t len) { return (len + 15) / 16 * 16; }
+
+// scores[r, 0:16] = scale * q[r] . k for up to four query rows and one tile of 16 keys whose
+// dim group g lies at cells + g * block_size * G: the accumulators stay in registers across
+// the dims (the rows' chains interleave; none is reordered). Scores past a row's keys are
+// written too; the callers never read them.
+template <typename Dt, typename QRow>
+inline void scores_tile16(QRow q_row, int64_t r0, int64_t nr, const typename Dt::T* cells, int64_t block_size,
+                          int64_t head_dim, float scale, float* scores, int64_t len) {
+    using T = typename Dt::T;
+    constexpr int64_t G = kKeyGroup<T>;
+    float a[4][16] = {};
+    const T* qr[4];
+    for (int64_t i = 0; i < 4; ++i) qr[i] = q_row(r0 + std::min(i, nr - 1));
+    for (int64_t g = 0; g < head_dim / G; ++g) {
+        const T* c = cells + g * block_size * G;
+        float k0[16], k1[16];
+        for (int t = 0; t < 16; ++t) {
+            k0[t] = Dt::load(c[G * t]);
+            if constexpr (G == 2) k1[t] = Dt::load(c[2 * t + 1]);
+        }
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (G == 2) {
+                const float q0 = Dt::load(qr[i][2 * g]), q1 = Dt::load(qr[i][2 * g + 1]);
+                for (int t = 0; t < 16; ++t) {
+                    a[i][t] += q1 * k1[t];  // bf16 products are exact in float32
+                    a[i][t] += q0 * k0[t];
+                }
+            } else {
+                const float q0 = qr[i][g];
+                for (int t = 0; t < 16; ++t) a[i][t] = std::fma(q0, k0[t], a[i][t]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < nr; ++i)
+        for (int t = 0; t < 16; ++t) scores[(r0 + i) * len + t] = a[i][t] * scale;
+}
+
+// The query rows of one KV head at `positions` consecutive positions of one sequence (prefill
+// passes up to kRefPositions, decode one): row r = (position r / group, head r % group) is
+// at q + (r / group) * q_stride + (r % group) * head_dim (out likewise) and sees keys
+// [0, lens[r / group]). key_cache/value_cache point at this KV head's first element in block
+// 0 (keys dimension-major, common.h). scores: rows x score_stride(max(lens)) floats of
+// scratch; acc: rows x head_dim; vrows: max(lens) pointers. Rows at several positions share every key load; the loops run over keys (q.k)
+// and dims (p.V) innermost, so a compiler vectorizes them without reordering any one sum.
+// A row's keys past its own length are scored (harmlessly) but never enter its softmax or p.V.
 template <typename Dt>
-void attend_rows(const typename Dt::T* q, int64_t rows, const typename Dt::T* key_cache,
-                 const typename Dt::T* value_cache, const int64_t* table, int64_t len, typename Dt::T* out,
-                 int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
-                 float* scores, float* acc) {
+void attend_rows(const typename Dt::T* q, int64_t q_stride, int64_t positions, int64_t group, const int64_t* lens,
+                 const typename Dt::T* key_cache, const typename Dt::T* value_cache, const int64_t* table,
+                 typename Dt::T* out, int64_t out_stride, int64_t head_dim, int64_t block_size,
+                 int64_t token_stride, int64_t block_stride, float scale, float* scores, float* acc,
+                 const typename Dt::T** vrows) {
     using T = typename Dt::T;
     constexpr bool kBF16 = std::is_same_v<Dt, BF16>;
     constexpr int64_t G = kKeyGroup<T>;
+    const int64_t rows = positions * group;
+    int64_t len = 0;  // the keys any row sees
+    for (int64_t i = 0; i < positions; ++i) len = std::max(len, lens[i]);
+    const int64_t ld = score_stride(len);
+    auto q_row = [&](int64_t r) { return q + (r / group) * q_stride + (r % group) * head_dim; };
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const T* kblock = key_cache + table[t0 / block_size] * block_stride;  // cell (g, t) at (g * bs + t) * G
         const int64_t n = std::min(block_size, len - t0);
+        if (block_size % 16 == 0) {  // whole tiles of 16 keys, four rows at a time in registers
+            for (int64_t k0 = 0; k0 < n; k0 += 16)
+                for (int64_t r = 0; r < rows; r += 4)
+                    scores_tile16<Dt>(q_row, r, std::min<int64_t>(4, rows - r), kblock + k0 * G, block_size,
+                                      head_dim, scale, scores + t0 + k0, ld);
+            continue;
+        }
         for (int64_t r = 0; r < rows; ++r) {
-            const T* qr = q + r * head_dim;
-            float* s = scores + r * len + t0;
+            const T* qr = q_row(r);
+            float* s = scores + r * ld + t0;
             for (int64_t t = 0; t < n; ++t) s[t] = 0.f;
             for (int64_t g = 0; g < head_dim / G; ++g) {
                 const T* cells = kblock + g * block_size * G;
@@ -95,46 +151,52 @@ void attend_rows(const typename Dt::T* q, int64_t rows, const typename Dt::T* ke
             for (int64_t t = 0; t < n; ++t) s[t] *= scale;
         }
     }
-    float inv_sum[kMaxRefRows];
+    float inv_sum[kMaxRefRows * kRefPositions];
     for (int64_t r = 0; r < rows; ++r) {
-        float* p = scores + r * len;
+        const int64_t row_len = lens[r / group];
+        float* p = scores + r * ld;
         float m = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) m = std::fmax(m, p[t]);
+        for (int64_t t = 0; t < row_len; ++t) m = std::fmax(m, p[t]);
         float lane[16] = {};
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = 0; t < row_len; ++t) {
             const float e = exp_ref(p[t] - m);
             p[t] = kBF16 ? bf16_to_float(to_bf16_daz(e)) : e;
             lane[t % 16] += p[t];
         }
         inv_sum[r] = 1.f / reduce16(lane);
     }
+    // p.V key by key, every row's sums advanced while the key's V row is in L1.
+    for (int64_t t = 0; t < len; ++t)
+        vrows[t] = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t i = 0; i < rows * head_dim; ++i) acc[i] = 0.f;
-    auto vrow = [&](int64_t t) {
-        return value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-    };
     for (int64_t t = 0; t < len; t += kBF16 ? 2 : 1) {
-        const T* v0 = vrow(t);
-        if constexpr (kBF16) {
-            const bool pair = t + 1 < len;
-            const T* v1 = pair ? vrow(t + 1) : v0;
-            for (int64_t r = 0; r < rows; ++r) {
-                const float p0 = scores[r * len + t], p1 = pair ? scores[r * len + t + 1] : 0.f;
-                float* a = acc + r * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) {
-                    a[d] += p1 * (pair ? Dt::load(v1[d]) : 0.f);
-                    a[d] += p0 * Dt::load(v0[d]);
+        const T* v0 = vrows[t];
+        const T* v1 = kBF16 && t + 1 < len ? vrows[t + 1] : v0;
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row_len = lens[r / group];
+            if (t >= row_len) continue;
+            const float p0 = scores[r * ld + t];
+            float* a = acc + r * head_dim;
+            if constexpr (kBF16) {
+                if (t + 1 < row_len) {
+                    const float p1 = scores[r * ld + t + 1];
+                    for (int64_t d = 0; d < head_dim; ++d) {
+                        a[d] += p1 * Dt::load(v1[d]);
+                        a[d] += p0 * Dt::load(v0[d]);
+                    }
+                } else {  // the row's last key alone: paired with a zero key of zero weight
+                    for (int64_t d = 0; d < head_dim; ++d) {
+                        a[d] += 0.f * 0.f;
+                        a[d] += p0 * Dt::load(v0[d]);
+                    }
                 }
-            }
-        } else {
-            for (int64_t r = 0; r < rows; ++r) {
-                const float p0 = scores[r * len + t];
-                float* a = acc + r * head_dim;
+            } else {
                 for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fma(p0, v0[d], a[d]);
             }
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        T* o = out + r * head_dim;
+        T* o = out + (r / group) * out_stride + (r % group) * head_dim;
         const float* a = acc + r * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
             if constexpr (kBF16) {

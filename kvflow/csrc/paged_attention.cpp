@@ -158,11 +158,13 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
     {
         std::vector<float> scores;  // [item rows, seq_len], reused across this thread's items
         std::vector<float> work(static_cast<size_t>(item_heads * group * (head_dim + 1)));
+        std::vector<const typename Dt::T*> vrows;  // the portable path's V row of each key
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             const int64_t s = by_length[item / items_per_seq], h = (item % items_per_seq) * item_heads;
             const int64_t len = seq_lens[s];
-            scores.resize(static_cast<size_t>(item_heads * group * len));
+            scores.resize(static_cast<size_t>(item_heads * group * kvflow::ref::score_stride(len)));
+            if (portable) vrows.resize(static_cast<size_t>(len));
             const int64_t q_offset = s * q_stride + h * group * head_dim;
             const int64_t out_offset = (s * num_heads + h * group) * head_dim;
             const int64_t* table = block_tables + s * block_table_stride;
@@ -173,9 +175,10 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
                 continue;
             }
 #endif
-            kvflow::ref::attend_rows<Dt>(q + q_offset, group, key_cache + h * head_dim * block_size, value_cache + h * head_dim,
-                                         table, len, out + out_offset, head_dim, block_size, token_stride, block_stride,
-                                         scale, scores.data(), work.data());
+            kvflow::ref::attend_rows<Dt>(q + q_offset, 0, 1, group, &len, key_cache + h * head_dim * block_size,
+                                         value_cache + h * head_dim, table, out + out_offset, 0, head_dim,
+                                         block_size, token_stride, block_stride, scale, scores.data(), work.data(),
+                                         vrows.data());
         }
     }
 }

@@ -276,26 +276,37 @@ int prefill_portable(const typename Dt::T* q, int64_t q_stride, const typename D
                      const int64_t* query_start, const int64_t* seq_lens, typename Dt::T* out, int64_t out_stride,
                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      float scale) {
+    using T = typename Dt::T;
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
     if (group > kvflow::ref::kMaxRefRows) return -1;
-    const int64_t row0 = query_start[0], num_rows = query_start[num_seqs] - row0;  // q/out rows of the chunks
-    std::vector<int64_t> row_seq;  // the sequence of each of those rows
-    for (int64_t s = 0; s < num_seqs; ++s) row_seq.insert(row_seq.end(), query_start[s + 1] - query_start[s], s);
+    // Items: up to kRefPositions consecutive query positions of one sequence, for one KV head.
+    struct Tile {
+        int64_t seq, row, positions;  // row: the first position's row in q/out
+    };
+    std::vector<Tile> tiles;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        for (int64_t row = query_start[s]; row < query_start[s + 1]; row += kvflow::ref::kRefPositions)
+            tiles.push_back({s, row, std::min(kvflow::ref::kRefPositions, query_start[s + 1] - row)});
+    const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 #pragma omp parallel
     {
-        std::vector<float> scores, acc(static_cast<size_t>(group * head_dim));
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t item = 0; item < num_rows * num_kv_heads; ++item) {
-            const int64_t row = row0 + item / num_kv_heads, h = item % num_kv_heads, s = row_seq[row - row0];
-            const int64_t n = query_start[s + 1] - query_start[s];
-            const int64_t len = seq_lens[s] - n + (row - query_start[s]) + 1;  // keys this position sees
-            scores.resize(static_cast<size_t>(group * len));
-            kvflow::ref::attend_rows<Dt>(q + row * q_stride + h * group * head_dim, group,
-                                         key_cache + h * head_dim * block_size, value_cache + h * head_dim,
-                                         block_tables + s * block_table_stride, len,
-                                         out + row * out_stride + h * group * head_dim, head_dim, block_size,
-                                         token_stride, block_stride, scale, scores.data(), acc.data());
+        std::vector<float> scores, acc(static_cast<size_t>(kvflow::ref::kRefPositions * group * head_dim));
+        std::vector<const T*> vrows;
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const Tile& tile = tiles[item / num_kv_heads];
+            const int64_t h = item % num_kv_heads, s = tile.seq;
+            const int64_t context = seq_lens[s] - (query_start[s + 1] - query_start[s]);
+            int64_t lens[kvflow::ref::kRefPositions];  // keys each position sees
+            for (int64_t i = 0; i < tile.positions; ++i) lens[i] = context + (tile.row - query_start[s]) + i + 1;
+            scores.resize(static_cast<size_t>(tile.positions * group * kvflow::ref::score_stride(lens[tile.positions - 1])));
+            vrows.resize(static_cast<size_t>(lens[tile.positions - 1]));
+            kvflow::ref::attend_rows<Dt>(q + tile.row * q_stride + h * group * head_dim, q_stride, tile.positions,
+                                         group, lens, key_cache + h * head_dim * block_size,
+                                         value_cache + h * head_dim, block_tables + s * block_table_stride,
+                                         out + tile.row * out_stride + h * group * head_dim, out_stride, head_dim,
+                                         block_size, token_stride, block_stride, scale, scores.data(), acc.data(), vrows.data());
         }
     }
     return 0;

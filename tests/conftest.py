@@ -132,12 +132,12 @@ def _tiny_config(arch: str):
     raise KeyError(arch)
 
 
-def build_tiny_model(arch: str, directory: Path):
-    """A random-weight transformers model saved as safetensors; returns (path, hf_model)."""
+def save_random_model(config, directory: Path, seed: int = 1234):
+    """A random-weight transformers model of `config` saved as safetensors; returns (path, hf_model)."""
     import transformers
 
-    torch.manual_seed(1234)
-    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config(arch), torch_dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     # Random init gives near-uniform logits (ties everywhere); sharper weights make greedy meaningful.
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -147,6 +147,11 @@ def build_tiny_model(arch: str, directory: Path):
                 p.uniform_(0.8, 1.2)
     hf.save_pretrained(directory, safe_serialization=True)
     return str(directory), hf
+
+
+def build_tiny_model(arch: str, directory: Path):
+    """A tiny random model of one supported architecture; returns (path, hf_model)."""
+    return save_random_model(_tiny_config(arch), directory)
 
 
 @pytest.fixture(scope="session")

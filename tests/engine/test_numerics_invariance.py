@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from tests.conftest import save_random_model
 
 DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 PARAMS = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
@@ -32,16 +33,9 @@ def gqa_model(tmp_path_factory) -> str:
     """A random Llama with 6 query heads over 2 KV heads of 32 dims, sharpened so greedy is decisive."""
     import transformers
 
-    torch.manual_seed(4321)
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
-    hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0.0, 0.08) if "norm" not in name else p.uniform_(0.8, 1.2)
-    path = tmp_path_factory.mktemp("tiny-gqa")
-    hf.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_random_model(config, tmp_path_factory.mktemp("tiny-gqa"), seed=4321)[0]
 
 
 def invariance_prompts() -> list[list[int]]:

@@ -15,6 +15,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 from kvflow.loader import load_model, load_model_config
+from tests.conftest import save_random_model
 
 BLOCK = 16
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -82,16 +83,9 @@ def head_dim_64_llama(tmp_path_factory) -> str:
     """A tiny Llama whose heads are 64 wide, as SmolLM2's: q.k takes the AVX512-BF16 dot product."""
     import transformers
 
-    torch.manual_seed(4321)
     cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0.0, 0.08) if "norm" not in name else p.uniform_(0.8, 1.2)
-    path = tmp_path_factory.mktemp("tiny-llama-d64")
-    hf.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_random_model(cfg, tmp_path_factory.mktemp("tiny-llama-d64"), seed=4321)[0]
 
 
 def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype: torch.dtype) -> None:

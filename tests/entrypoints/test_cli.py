@@ -97,10 +97,8 @@ def test_generate_console_script():
     assert proc.stdout.strip(), proc.stderr
 
 
-def test_chat_keeps_history_and_quits(monkeypatch, offline_llm):
-    stdin = io.StringIO("Say hello.\n\nWhat did I ask you?\n/exit\nnever read\n")
-    stdout = io.StringIO()
-    args = cli.build_parser().parse_args(["chat", "--max-tokens", "6", "--temperature", "0", *SMALL_ENGINE])
+def _record_conversations(monkeypatch, offline_llm) -> list[list[dict]]:
+    """Every conversation `kvflow chat` hands to the chat template, in order."""
     seen: list[list[dict]] = []
     real = type(offline_llm).apply_chat_template
 
@@ -109,6 +107,14 @@ def test_chat_keeps_history_and_quits(monkeypatch, offline_llm):
         return real(self, conversation, add_generation_prompt)
 
     monkeypatch.setattr(type(offline_llm), "apply_chat_template", spy)
+    return seen
+
+
+def test_chat_keeps_history_and_quits(monkeypatch, offline_llm):
+    stdin = io.StringIO("Say hello.\n\nWhat did I ask you?\n/exit\nnever read\n")
+    stdout = io.StringIO()
+    args = cli.build_parser().parse_args(["chat", "--max-tokens", "6", "--temperature", "0", *SMALL_ENGINE])
+    seen = _record_conversations(monkeypatch, offline_llm)
     monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)  # weights load once per session
     assert cli.run_chat(args, stdin=stdin, stdout=stdout) == 0
     assert len(seen) == 2  # the empty line is skipped, /exit stops before "never read"
@@ -182,14 +188,7 @@ def test_chat_reset_and_verbose(monkeypatch, offline_llm):
     stdout = io.StringIO()
     args = cli.build_parser().parse_args(["chat", "--max-tokens", "4", "--verbose", "--system", "Be brief.",
                                           *SMALL_ENGINE])
-    seen: list[list[dict]] = []
-    real = type(offline_llm).apply_chat_template
-
-    def spy(self, conversation, add_generation_prompt=True):
-        seen.append([dict(m) for m in conversation])
-        return real(self, conversation, add_generation_prompt)
-
-    monkeypatch.setattr(type(offline_llm), "apply_chat_template", spy)
+    seen = _record_conversations(monkeypatch, offline_llm)
     monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)
     assert cli.run_chat(args, stdin=stdin, stdout=stdout) == 0
     # After /reset the second question starts a new conversation (the system prompt stays).

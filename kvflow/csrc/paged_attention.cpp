@@ -15,9 +15,9 @@
 //                 (dimension-major, G dims per 4-byte cell: common.h, kv_layout.py)
 //   block_tables  [num_seqs, block_table_stride] int64
 //   seq_lens      [num_seqs] int64: tokens in each sequence's context, the new one included
-// Scores, softmax and the weighted sum of V are accumulated in float32 whatever the
-// storage dtype, as the PyTorch path does; in bf16 the probabilities are rounded to bf16
-// before p.V, as that path also does (there they meet V in a bf16 matmul).
+// Numerics: kvflow's attention numerics (docs/architecture.md), the same operations in the
+// same order as the prefill kernel and attention_ref.h, so that a query row gets the same
+// bits whichever kernel computes it; the AVX-512 path below, attention_ref.h elsewhere.
 
 #include <algorithm>
 #include <cmath>
@@ -225,7 +225,7 @@ int kvflow_decode_fast_path(int dtype, int64_t head_dim) {
 int kvflow_max_group() { return kMaxGroup; }
 int kvflow_max_head_dim() { return kMaxHeadDim; }
 
-// dtype: 0 = float32, 1 = bfloat16. portable != 0 forces the portable loops (for tests).
+// dtype: 0 = float32, 1 = bfloat16. portable != 0 forces attention_ref.h (for tests).
 int kvflow_paged_decode_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache, const void* value_cache,
                                   const int64_t* block_tables, int64_t block_table_stride, const int64_t* seq_lens,
                                   void* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,

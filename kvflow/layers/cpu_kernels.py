@@ -146,7 +146,7 @@ class CPUKernels:
         return dtype in DTYPE_CODES
 
     def decode_fast_path(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether decode attention runs its AVX-512 path (else the portable loops) for this shape."""
+        """Whether decode attention runs its AVX-512 path (else the portable reference) for this shape."""
         return bool(self.lib.kvflow_decode_fast_path(DTYPE_CODES[dtype], head_dim))
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -190,7 +190,8 @@ class CPUKernels:
         scale: float,
         portable: bool = False,
     ) -> torch.Tensor:
-        """`portable` forces the plain C++ loops instead of the AVX-512 path (tests check both)."""
+        """`portable` forces the portable reference (csrc/attention_ref.h) instead of the AVX-512 path
+        (tests check that both give the same bits)."""
         num_seqs, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         if not heads_contiguous(q):

@@ -167,8 +167,13 @@ class EngineConfig:
     # Sampling defaults for fields a request leaves unset: "auto" (the model's own), "vllm"
     # (none: SamplingParams' vLLM defaults) or a folder with generation_config.json.
     generation_config: str = "auto"
+    # Speculative decoding (kvflow.spec_decode.SpeculativeConfig, a dict or its JSON); None: off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        from kvflow.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -161,7 +161,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(seq.request_id, [])
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # A sequence that stopped inside an accepted speculative run has K/V past its last kept token.
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(table))
         hashes = self._chain_hashes(seq, num_full)
         bs = self.block_size
         for i in range(num_full):
@@ -196,6 +197,15 @@ class KVCacheManager:
         while len(table) < total:
             table.append(self.pool.allocate().block_id)
         return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past the sequence's computed tokens (a rejected draft tail's)."""
+        table = self.block_tables.get(seq.request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(table) > keep:
+            self.pool.release(self.pool.blocks[table.pop()])
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks; tail blocks are released first so they are evicted first."""

@@ -1,10 +1,14 @@
 """The engine loop: requests in, one step at a time, outputs out.
 
 `LLMEngine.step()` is the whole story of a token:
+  speculator.propose()      (speculative decoding only) draft tokens for decoding sequences
   scheduler.schedule()      which sequences run, how many tokens each (token budget)
   runner.execute()          flat tensors -> model -> logits of the completing rows -> sampler
-  scheduler.update_after_step()   num_computed_tokens advanced, full blocks published for reuse
-  _append_token()           detokenize, check stop conditions, retire finished sequences
+                            (or the rejection sampler, for rows carrying drafts)
+  _append_tokens()          detokenize, check stop conditions token by token
+  scheduler.update_after_step()   num_computed_tokens advanced past the kept tokens, rejected
+                            drafts' blocks freed, full blocks published for reuse
+  scheduler.finish()        retire the sequences that stopped
 The server and `LLM` both drive it through add_request / step / abort_request.
 """
 
@@ -21,7 +25,7 @@ import torch
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan, plan_kv_cache
-from kvflow.engine.model_runner import ModelRunner, SampledToken
+from kvflow.engine.model_runner import ModelRunner, SampledTokens
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.layers.attention import get_attn_backend
@@ -30,6 +34,7 @@ from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defa
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
 from kvflow.sampling.params import SamplingParams
+from kvflow.spec_decode.speculator import SpecDecodeStats, Speculator
 
 logger = logging.getLogger("kvflow")
 
@@ -51,6 +56,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     computed_tokens: int = 0
+    spec_decode: SpecDecodeStats | None = None  # None when speculative decoding is off
 
 
 @dataclass
@@ -102,6 +108,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids
         )
+        self.speculator = (Speculator(config.speculative_config, self.max_model_len)
+                           if config.speculative_config is not None else None)
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
         self.generation_tokens_total = 0
@@ -111,6 +119,8 @@ class LLMEngine:
             path, self.model_config.architecture, time.perf_counter() - start, self.plan.describe(),
             self.sampling_defaults.describe(),
         )
+        if self.speculator is not None:
+            logger.info("kvflow: %s", config.speculative_config.describe())
 
     # ---- set-up helpers ----------------------------------------------------------------
     @staticmethod
@@ -175,6 +185,8 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         return True
 
     def has_request(self, request_id: str) -> bool:
@@ -186,59 +198,91 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that got a token."""
+        """Run one scheduled batch; return an output for every request that got tokens."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, len(self.scheduler.running) + len(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         sampled = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched)
-        self.computed_tokens_total += sched.num_batched_tokens
         now = time.time()
-        outputs = []
-        for token in sampled:
-            req = self._requests.get(token.seq.request_id)
+        advanced: list[_Request] = []
+        stopped: list[tuple[_Request, SequenceStatus]] = []
+        num_rejected: dict[str, int] = {}
+        for result in sampled:
+            req = self._requests.get(result.seq.request_id)
             if req is None:
                 continue
-            self._append_token(req, token, now)
-            outputs.append(self._make_output(req))
-            if req.seq.is_finished:
-                del self._requests[req.seq.request_id]
+            status = self._append_tokens(req, result, now)
+            advanced.append(req)
+            if status is not None:
+                stopped.append((req, status))
+            if result.num_draft_tokens:
+                num_rejected[result.seq.request_id] = result.num_rejected_tokens
+                if self.speculator is not None:
+                    self.speculator.record(result.seq.request_id, result.num_draft_tokens, result.num_accepted_tokens)
+        # After the append, so that blocks completed by accepted drafts hash the right tokens;
+        # before finishing, so that a finished sequence's last full blocks are still published.
+        self.scheduler.update_after_step(sched, num_rejected)
+        self.computed_tokens_total += sched.num_batched_tokens  # rejected drafts included: they cost compute
+        for req, status in stopped:
+            self.scheduler.finish(req.seq, status)
+            if self.speculator is not None:
+                self.speculator.forget(req.seq.request_id)
+        outputs = [self._make_output(req) for req in advanced]
+        for req, _ in stopped:
+            del self._requests[req.seq.request_id]
         return outputs
 
-    def _append_token(self, req: _Request, token: SampledToken, now: float) -> None:
-        seq, params = req.seq, req.seq.params
-        tid = token.token_id
-        seq.output_token_ids.append(tid)
-        self.generation_tokens_total += 1
+    def _append_tokens(self, req: _Request, result: SampledTokens, now: float) -> SequenceStatus | None:
+        """Append the step's tokens one by one until a stop condition; return the finish status, if any.
+
+        Tokens after the one that stops the sequence (an accepted draft past EOS, a stop
+        string or max_tokens) are dropped, as if they had never been generated.
+        """
+        seq = req.seq
         if seq.first_token_time is None:
             seq.first_token_time = now
             self.prompt_tokens_total += seq.num_prompt_tokens
-        if token.logprobs is not None:
-            seq.output_logprobs.append(token.logprobs)
-            req.cumulative_logprob += token.logprobs.get(tid, 0.0)
-        req.new_token_ids = [tid]
+        prev_len = len(req.text)
+        req.new_token_ids = []
+        status = None
+        for i, tid in enumerate(result.token_ids):
+            status = self._append_token(req, tid, result.logprobs[i] if result.logprobs is not None else None)
+            if status is not None:
+                break
+        req.new_text = req.text[prev_len:] if len(req.text) >= prev_len else ""
+        return status
+
+    def _append_token(self, req: _Request, tid: int, logprobs: dict[int, float] | None) -> SequenceStatus | None:
+        seq, params = req.seq, req.seq.params
+        seq.output_token_ids.append(tid)
+        req.new_token_ids.append(tid)
+        self.generation_tokens_total += 1
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs.get(tid, 0.0)
         prev_len = len(req.text)
         if req.detokenizer is not None:
             req.text += req.detokenizer.add_tokens([tid])
-        status, n_out = None, len(seq.output_token_ids)
+        n_out = len(seq.output_token_ids)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and tid in self.eos_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif tid in params.stop_token_ids:
-                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, tid
-            elif params.stop and req.detokenizer is not None:
+                return SequenceStatus.FINISHED_STOPPED
+            if tid in params.stop_token_ids:
+                seq.stop_reason = tid
+                return SequenceStatus.FINISHED_STOPPED
+            if params.stop and req.detokenizer is not None:
                 hit = find_stop_string(req.text, len(req.text) - prev_len, params.stop, params.include_stop_str_in_output)
                 if hit is not None:
                     seq.stop_reason, cut = hit
                     req.text = req.text[:cut]
-                    status = SequenceStatus.FINISHED_STOPPED
-        if status is None and params.max_tokens is not None and n_out >= params.max_tokens:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is None and seq.num_tokens >= self.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-        req.new_text = req.text[prev_len:] if len(req.text) >= prev_len else ""
-        if status is not None:
-            self.scheduler.finish(seq, status)
+                    return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
 
     def _make_output(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -286,6 +330,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
             computed_tokens=self.computed_tokens_total,
+            spec_decode=self.speculator.stats if self.speculator is not None else None,
         )
 
     def check_integrity(self) -> None:

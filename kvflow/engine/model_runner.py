@@ -7,7 +7,9 @@ builds, without per-token Python loops:
   slot_mapping          [num_tokens]   where each new token's K/V goes in the pool
   block_tables          [num_seqs, max_blocks]
   logits_indices        [num_sampled]  the last token of every sequence that completes this step
-Only those rows go through the LM head and the sampler.
+Only those rows go through the LM head and the sampler. A speculating sequence's draft tokens
+follow its last token in the same row of the batch, like a short prefill chunk; its last
+1 + k positions are all sampled rows, and the rejection sampler decides which drafts stand.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.engine.kv_cache_manager import KVCacheManager
-from kvflow.engine.scheduler import SchedulerOutput
+from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvflow.engine.sequence import Sequence
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
 from kvflow.sampling.sampler import Sampler, SamplingMetadata
+from kvflow.spec_decode.rejection_sampler import RejectionSampler
 
 
 @dataclass
@@ -31,15 +34,23 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampled_seqs: list[Sequence]
+    logits_indices: torch.Tensor  # 1 row per sampled sequence, 1 + k for a speculating one
+    sampled: list[ScheduledSequence]
 
 
 @dataclass
-class SampledToken:
+class SampledTokens:
+    """What one sequence gained this step: one token, or accepted drafts plus one."""
+
     seq: Sequence
-    token_id: int
-    logprobs: dict[int, float] | None
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # one entry per token, when the request asked
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        return self.num_draft_tokens - self.num_accepted_tokens
 
 
 class ModelRunner:
@@ -59,6 +70,7 @@ class ModelRunner:
             model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         items = out.scheduled
@@ -70,7 +82,8 @@ class ModelRunner:
 
         token_ids: list[int] = []
         for it, start in zip(items, starts.tolist()):
-            token_ids.extend(it.seq.token_slice(start, start + it.num_new_tokens))
+            token_ids.extend(it.seq.token_slice(start, start + it.num_new_tokens - len(it.spec_token_ids)))
+            token_ids.extend(it.spec_token_ids)
         row_of_token = np.repeat(np.arange(len(items)), lens)
         positions = np.arange(total, dtype=np.int64) - query_start[:-1][row_of_token] + starts[row_of_token]
 
@@ -83,6 +96,10 @@ class ModelRunner:
         seq_lens = starts + lens
         num_decodes = int(np.argmax(lens > 1)) if (lens > 1).any() else len(items)
         sampled = [i for i, it in enumerate(items) if it.is_sampled]
+        ends = query_start[1:]
+        logits_indices = np.concatenate(
+            [np.arange(ends[i] - 1 - len(items[i].spec_token_ids), ends[i]) for i in sampled]
+        ) if sampled else np.zeros(0, dtype=np.int64)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
             query_start_loc=query_start.tolist(),
@@ -97,27 +114,60 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.from_numpy(positions),
             attn_metadata=meta,
-            logits_indices=torch.from_numpy(query_start[1:][sampled] - 1),
-            sampled_seqs=[items[i].seq for i in sampled],
+            logits_indices=torch.from_numpy(logits_indices),
+            sampled=[items[i] for i in sampled],
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        if not inputs.sampled_seqs:
+        if not inputs.sampled:
             return []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sample(logits, inputs.sampled_seqs)
+        if not any(it.spec_token_ids for it in inputs.sampled):
+            return self.sample(logits, [it.seq for it in inputs.sampled])
+        return self.sample_speculative(logits, inputs.sampled)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        meta = SamplingMetadata.build(
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
+        meta = self._sampling_metadata(seqs, [s.output_token_ids for s in seqs], logits.shape[-1])
+        result = self.sampler(logits, meta)
+        return [SampledTokens(s, [t], None if lp is None else [lp])
+                for s, t, lp in zip(seqs, result.token_ids, result.logprobs)]
+
+    def sample_speculative(self, logits: torch.Tensor, items: list[ScheduledSequence]) -> list[SampledTokens]:
+        """Sequences without drafts sample as usual; the others go through the rejection sampler.
+
+        Row j of a speculating sequence is sampled as if drafts[:j] were already its output,
+        so penalties and min_tokens see exactly what they would have seen one token at a time.
+        """
+        starts = np.cumsum([0] + [len(it.spec_token_ids) + 1 for it in items])
+        plain = [i for i, it in enumerate(items) if not it.spec_token_ids]
+        spec = [i for i, it in enumerate(items) if it.spec_token_ids]
+        results: list[SampledTokens | None] = [None] * len(items)
+        if plain:
+            for i, r in zip(plain, self.sample(logits[torch.from_numpy(starts[plain])], [items[i].seq for i in plain])):
+                results[i] = r
+        rows = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in spec]))
+        seqs, outputs, drafts = [], [], []
+        for i in spec:
+            seq, d = items[i].seq, items[i].spec_token_ids
+            drafts.append(d)
+            for j in range(len(d) + 1):
+                seqs.append(seq)
+                outputs.append(seq.output_token_ids + d[:j])
+        meta = self._sampling_metadata(seqs, outputs, logits.shape[-1])
+        verified = self.rejection_sampler(logits[rows], meta, drafts, [items[i].seq.generator for i in spec])
+        for i, v in zip(spec, verified):
+            results[i] = SampledTokens(items[i].seq, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted_tokens)
+        return results
+
+    def _sampling_metadata(self, seqs: list[Sequence], outputs: list[list[int]], vocab_size: int) -> SamplingMetadata:
+        return SamplingMetadata.build(
             params=[s.params for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
+            output_token_ids=outputs,
             generators=[s.generator for s in seqs],
             eos_token_ids=self.eos_token_ids,
-            vocab_size=logits.shape[-1],
+            vocab_size=vocab_size,
         )
-        result = self.sampler(logits, meta)
-        return [SampledToken(s, t, lp) for s, t, lp in zip(seqs, result.token_ids, result.logprobs)]

@@ -33,12 +33,15 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens [seq.num_computed_tokens, + num_new_tokens) are computed this step
+    # Tokens [seq.num_computed_tokens, + num_new_tokens) are computed this step: the
+    # sequence's own, then its draft tokens (speculative decoding), which come last.
+    num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_sampled(self) -> bool:
         """A chunk that reaches the end of the sequence yields a token; partial chunks do not."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -95,7 +98,14 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Draft tokens ride along with a decode when the budget has room for them; they
+            # are dropped (not worth a preemption) when the pool has no slots for them.
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            num_own = seq.num_tokens - seq.num_computed_tokens
+            drafts = drafts[: max(0, budget - num_own)]
+            if drafts and not self.kv.allocate_slots(seq, num_own + len(drafts)):
+                drafts = []
+            num_new = min(num_own + len(drafts), budget)
             while not self.kv.allocate_slots(seq, num_new):
                 victim = max(self.running, key=Sequence.sort_key)
                 undone = scheduled_ids.pop(victim.request_id, None)
@@ -108,7 +118,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            item = ScheduledSequence(seq, num_new)
+            item = ScheduledSequence(seq, num_new, drafts)
             out.scheduled.append(item)
             scheduled_ids[seq.request_id] = item
             budget -= num_new
@@ -145,13 +155,25 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance each scheduled sequence past the tokens whose K/V this step wrote."""
+    def update_after_step(self, out: SchedulerOutput, num_rejected: dict[str, int] | None = None) -> None:
+        """Advance each scheduled sequence past the tokens whose K/V this step wrote and kept.
+
+        `num_rejected[request_id]` counts draft tokens the verification threw away: their K/V
+        is stale, so `num_computed_tokens` stops before them and blocks holding nothing
+        else go back to the pool. Call this after the step's tokens are appended, so that
+        the prefix cache hashes the accepted tokens.
+        """
+        num_rejected = num_rejected or {}
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(item.seq)
+            seq = item.seq
+            rejected = num_rejected.get(seq.request_id, 0)
+            seq.num_computed_tokens += item.num_new_tokens - rejected
+            if rejected:
+                self.kv.trim(seq)
+            self.kv.cache_full_blocks(seq)

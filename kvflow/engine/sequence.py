@@ -49,6 +49,9 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     arrival_index: int = 0  # set by the scheduler: FCFS order among equal priorities
+    # Draft tokens proposed for the next step (speculative decoding); not part of the output
+    # until verified. The scheduler takes them (maybe fewer) and leaves this empty.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

@@ -213,10 +213,7 @@ class Sampler:
                 logprobs=[None] * meta.num_rows,
                 ranks=[None] * meta.num_rows,
             )
-        logits = logits.to(torch.float32)
-        if meta.min_tokens_index is not None:
-            logits = logits.index_put(meta.min_tokens_index, torch.tensor(_NEG_INF, device=logits.device))
-        logits = _apply_penalties(logits, meta)
+        logits = apply_penalties(logits, meta)
 
         if meta.random_rows is None:
             sampled = greedy(logits)
@@ -227,12 +224,20 @@ class Sampler:
             sampled[meta.random_rows] = _sample_random(logits[meta.random_rows], meta)
 
         token_ids = sampled.tolist()
-        logprobs, ranks = _gather_logprobs(logits, sampled, meta.num_logprobs)
+        logprobs, ranks = gather_logprobs(logits, sampled, meta.num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
 
 
-def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """HF-style repetition penalty over prompt+output, OpenAI presence/frequency over output."""
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The request's view of the model: float32 logits after the min_tokens ban and the penalties.
+
+    Logprobs are read here and greedy rows take their argmax here; random rows go on
+    through `filter_logits`. HF-style repetition penalty over prompt+output, OpenAI
+    presence/frequency over output.
+    """
+    logits = logits.to(torch.float32)
+    if meta.min_tokens_index is not None:
+        logits = logits.index_put(meta.min_tokens_index, torch.tensor(_NEG_INF, device=logits.device))
     if meta.repetition_penalty is not None and meta.seen_mask is not None:
         r = meta.repetition_penalty.unsqueeze(1)
         penalised = torch.where(logits > 0, logits / r, logits * r)
@@ -255,6 +260,17 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+    x = filter_logits(logits, meta)
+    q = _exponential_noise(x, meta.random_generators)
+    return (x - q.log()).argmax(dim=-1)
+
+
+def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The random rows' sampling distribution, as logits: softmax of the result is what is drawn from.
+
+    `logits` holds only the random rows, in the order of `meta.random_rows`. Temperature,
+    then top-k and top-p by sorted position, then min-p; filtered tokens become -inf.
+    """
     x = logits / meta.temperature.unsqueeze(1)
     if meta.top_k is not None or meta.top_p is not None:
         x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
@@ -262,8 +278,17 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf bans nothing.
         threshold = x.amax(dim=-1, keepdim=True) + meta.min_p.log().unsqueeze(1)
         x = x.masked_fill(x < threshold, _NEG_INF)
-    q = _exponential_noise(x, meta.random_generators)
-    return (x - q.log()).argmax(dim=-1)
+    return x
+
+
+def exponential_race(x: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from softmax(x) for a single row, with Exp(1) noise from `generator`.
+
+    The same length-V draw a seeded row makes in a batched step, so a request's stream
+    advances by the same amount whichever path samples it.
+    """
+    q = torch.empty_like(x).exponential_(generator=generator).clamp_(min=torch.finfo(x.dtype).tiny)
+    return int((x - q.log()).argmax())
 
 
 def _apply_top_k_top_p(
@@ -306,7 +331,7 @@ def _exponential_noise(x: torch.Tensor, generators: list[torch.Generator | None]
     return q.clamp_(min=torch.finfo(x.dtype).tiny)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
 ) -> tuple[list[dict[int, float] | None], list[int | None]]:
     """Sampled-token and top-k logprobs (and the sampled token's rank) for rows that asked."""

@@ -1,0 +1,104 @@
+"""`speculative_config`: which proposer guesses tokens, how many, and when speculation is off.
+
+Shaped like vLLM's dict, so `LLM(speculative_config={...})` and
+`kvflow serve --speculative-config '{...}'` accept the same keys:
+
+  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+  {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}
+
+Every key is checked here, once, so a bad config fails at start-up with a message that
+names the field instead of deep inside a step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # n-gram prompt lookup: the longest suffix of the context, between these lengths, that
+    # occurred earlier in the prompt or output proposes the tokens that followed it there.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # draft_model: a smaller model with the target's vocabulary (HF directory or GGUF file).
+    model: str | None = None
+    quantization: str | None = None
+    dtype: str | None = None  # default: the target's dtype
+    # Speculation is off for every sequence while more than this many requests are
+    # unfinished: a full batch is compute-bound and verifying guesses only slows it down.
+    disable_by_batch_size: int | None = 4
+    # A sequence whose recent speculative steps accepted fewer than this many tokens per
+    # step on average stops proposing for a while (see Speculator).
+    min_mean_accepted: float = 0.3
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """From a dict, a JSON string (the CLI's form) or an existing config; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected a dict or a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError(f"speculative_config.method: required, one of {', '.join(METHODS)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens: required (tokens proposed per step, >= 1)")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"speculative_config.{name}: must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None and (
+                not _is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1):
+            raise ValueError("speculative_config.disable_by_batch_size: must be an integer >= 1 or null, "
+                             f"got {self.disable_by_batch_size!r}")
+        if not isinstance(self.min_mean_accepted, (int, float)) or not 0 <= self.min_mean_accepted <= self.num_speculative_tokens:
+            raise ValueError(f"speculative_config.min_mean_accepted: must be in [0, num_speculative_tokens], "
+                             f"got {self.min_mean_accepted!r}")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config.model: required for method 'draft_model' (an HF directory or GGUF file)")
+        elif self.model is not None or self.quantization is not None:
+            raise ValueError(f"speculative_config.model: only method 'draft_model' takes a model, not {self.method!r}")
+        if self.quantization is not None:
+            raise ValueError(f"speculative_config.quantization: {self.quantization!r} is not available: kvflow "
+                             "has no weight quantization yet (the quantized self-draft waits for it)")
+
+    def describe(self) -> str:
+        if self.method == "ngram":
+            what = f"ngram prompt lookup, {self.prompt_lookup_min}..{self.prompt_lookup_max}-grams"
+        else:
+            what = f"draft model {self.model}"
+        batch = "never" if self.disable_by_batch_size is None else f"above {self.disable_by_batch_size} unfinished requests"
+        return (f"speculative decoding: {what}, {self.num_speculative_tokens} tokens per step; off {batch}, "
+                f"and for a sequence accepting under {self.min_mean_accepted} tokens per step")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

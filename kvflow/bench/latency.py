@@ -118,6 +118,7 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
         if tuple(prompt) in seen:
             raise RuntimeError("a warm-up prompt equals a timed prompt; choose another --warmup-seed")
         time_one_request(engine, f"latency-warmup-{i}", prompt, args.output_len)
+    spec0 = engine.get_stats().spec_decode
     iterations = [time_one_request(engine, f"latency-{i}", p, args.output_len) for i, p in enumerate(timed)]
     result = LatencyResult(
         dtype=str(engine.dtype).removeprefix("torch."), input_len=args.input_len, output_len=args.output_len,
@@ -125,6 +126,8 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
         ttft=percentiles(it.ttft_s for it in iterations), itl=percentiles(it.mean_itl_s for it in iterations),
     )
     print(result.summary())
+    if spec0 is not None:
+        print("  " + engine.get_stats().spec_decode.since(spec0).describe())
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"kind": "latency", "result": result.to_dict(), "args": vars(args),

@@ -27,8 +27,10 @@ class ThroughputResult:
     preemptions: int = 0
     computed_tokens: int = 0
     mean_ttft_s: float = 0.0
+    spec_decode: str | None = None  # what speculative decoding did, when it was on
 
     def summary(self) -> str:
+        spec = f"\n  {self.spec_decode}" if self.spec_decode else ""
         return (
             f"{self.engine} ({self.dtype}): {self.num_requests} requests, {self.prompt_tokens} prompt + "
             f"{self.output_tokens} output tokens in {self.wall_s:.2f} s\n"
@@ -36,7 +38,7 @@ class ThroughputResult:
             f"{self.output_tokens_per_s:.1f} output tok/s\n"
             f"  peak RSS {self.peak_rss_mb:.0f} MB, peak KV usage {self.peak_kv_usage:.1%}, "
             f"preemptions {self.preemptions}, tokens computed {self.computed_tokens}, mean TTFT {self.mean_ttft_s * 1e3:.0f} ms"
-        )
+        ) + spec
 
 
 def peak_rss_mb() -> float:

@@ -73,6 +73,7 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
         preemptions=stats.num_preemptions - stats0.num_preemptions,
         computed_tokens=stats.computed_tokens - stats0.computed_tokens,
         mean_ttft_s=sum(ttfts) / max(len(ttfts), 1),
+        spec_decode=stats.spec_decode.since(stats0.spec_decode).describe() if stats.spec_decode else None,
     )
 
 

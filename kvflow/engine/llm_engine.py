@@ -14,6 +14,7 @@ The server and `LLM` both drive it through add_request / step / abort_request.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -330,7 +331,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
             computed_tokens=self.computed_tokens_total,
-            spec_decode=self.speculator.stats if self.speculator is not None else None,
+            spec_decode=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
         )
 
     def check_integrity(self) -> None:

@@ -68,6 +68,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                         "generation_config.json, GGUF metadata, or for the default model its card's "
                         "temperature 0.2, top_p 0.9), vllm (vLLM's: temperature 1.0), or a folder "
                         "with generation_config.json")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(keys: method, num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size, "
+                        "min_mean_accepted; see docs/architecture.md)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -294,16 +298,17 @@ def run_plan(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,prefix,latency,serve,roofline}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import latency, prefix, roofline, serve, throughput
+    """`kvflow bench {throughput,prefix,latency,speculative,serve,roofline}`; each module defers its heavy imports to its run()."""
+    from kvflow.bench import latency, prefix, roofline, serve, speculative, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, serve, roofline")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, serve, roofline")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
         ("throughput", throughput, "offline throughput (W-offline by default), optionally vs transformers", True),
         ("prefix", prefix, "W-prefix: a shared system prompt, prefix caching off vs on in one run", True),
         ("latency", latency, "one request at a time: TTFT and inter-token latency (W-latency)", True),
+        ("speculative", speculative, "the same requests with and without --speculative-config, in one run", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
     ]

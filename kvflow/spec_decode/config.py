@@ -54,8 +54,9 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        if "method" not in value:
-            raise ValueError(f"speculative_config.method: required, one of {', '.join(METHODS)}")
+        if value.get("method") not in METHODS:
+            what = "required" if "method" not in value else f"{value['method']!r} is not"
+            raise ValueError(f"speculative_config.method: {what} one of {', '.join(METHODS)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens: required (tokens proposed per step, >= 1)")
         return cls(**value)

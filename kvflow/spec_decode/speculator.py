@@ -61,6 +61,16 @@ class SpecDecodeStats:
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
 
+    def since(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
+        """What happened after the `earlier` snapshot (a benchmark's timed part, without its warm-up)."""
+        before = earlier.accepted_per_position + [0] * (len(self.accepted_per_position) - len(earlier.accepted_per_position))
+        return SpecDecodeStats(
+            self.num_spec_steps - earlier.num_spec_steps,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [a - b for a, b in zip(self.accepted_per_position, before)],
+        )
+
     def describe(self) -> str:
         return (f"speculative decoding: {self.num_accepted_tokens}/{self.num_draft_tokens} draft tokens accepted "
                 f"({self.acceptance_rate:.1%}), {self.mean_accepted_length:.2f} tokens per speculative step "

@@ -10,6 +10,7 @@ the engine's running totals since the previous scrape.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 
 from kvflow.engine.llm_engine import EngineStats
 from kvflow.outputs import RequestOutput
+from kvflow.spec_decode.speculator import SpecDecodeStats
 
 PREFIX = "kvflow:"
 
@@ -68,6 +70,7 @@ class ServerMetrics:
             for stat, name, doc in _COUNTERS
         }
         self._last_totals = {stat: 0 for stat, _, _ in _COUNTERS}
+        self._spec = _SpecDecodeMetrics(self.registry, model_name)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
 
@@ -83,12 +86,48 @@ class ServerMetrics:
                 counter.inc(delta)
                 self._last_totals[stat] = total
 
+        if stats.spec_decode is not None:
+            self._spec.refresh(stats.spec_decode)
+
     def render(self, stats: EngineStats) -> bytes:
         self.refresh(stats)
         return generate_latest(self.registry)
 
     def tracker(self) -> "RequestTracker":
         return RequestTracker(self)
+
+
+class _SpecDecodeMetrics:
+    """Speculative decoding, named like vLLM's: counters to rate() plus the running ratios."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name", *extra], registry=registry)
+
+        self.drafts = counter("spec_decode_num_drafts", "Sequence-steps that verified draft tokens.").labels(model_name)
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.").labels(model_name)
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
+        self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                               ("position",))
+        self.rate = Gauge(PREFIX + "spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.",
+                          ["model_name"], registry=registry).labels(model_name)
+        self.mean_len = Gauge(PREFIX + "spec_decode_mean_accepted_length",
+                              "Tokens emitted per speculative step (accepted drafts + 1) since start.",
+                              ["model_name"], registry=registry).labels(model_name)
+        self._last = SpecDecodeStats()
+
+    def refresh(self, stats: SpecDecodeStats) -> None:
+        delta = stats.since(self._last)
+        self.drafts.inc(delta.num_spec_steps)
+        self.draft_tokens.inc(delta.num_draft_tokens)
+        self.accepted.inc(delta.num_accepted_tokens)
+        for position, count in enumerate(delta.accepted_per_position):
+            self.per_pos.labels(self.model_name, str(position)).inc(count)
+        self.rate.set(stats.acceptance_rate)
+        self.mean_len.set(stats.mean_accepted_length)
+        self._last = copy.deepcopy(stats)
 
 
 @dataclass

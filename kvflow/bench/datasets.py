@@ -64,6 +64,18 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int = 128) -> list[
     return requests
 
 
+def grounded_requests(tokenizer, num_prompts: int = 16, seed: int = 0, output_len: int = 128,
+                      exclude: list[BenchRequest] | tuple = ()) -> list[BenchRequest]:
+    """W-grounded: chat prompts over kvflow's own source whose answers quote the prompt (code edits,
+    extraction, summaries), for speculative decoding. See `kvflow.bench.grounded`; pass the timed
+    set as `exclude` when drawing a warm-up set, so the two share no passage."""
+    from kvflow.bench import grounded
+
+    if tokenizer is None:
+        raise ValueError("the grounded workload needs a model with a tokenizer and a chat template")
+    return grounded.grounded_requests(tokenizer, num_prompts, seed, output_len, exclude)
+
+
 def fit_token_range(token_range: tuple[int, int], vocab_size: int) -> tuple[int, int]:
     """The workload's token-id range, shrunk into a vocabulary too small for it.
 

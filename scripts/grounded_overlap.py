@@ -12,6 +12,13 @@ That fraction bounds what prompt-lookup speculation can accept; it is not a spee
     .venv/bin/python scripts/grounded_overlap.py --num-prompts 48 --show 1 --json out.json
 
 Several minutes on two cores for 48 prompts of 128 tokens; run nothing else heavy meanwhile.
+
+At commit d01d255 (48 prompts, seed 0, fingerprint 240816bb3a7d..., float32), the mean
+fraction of all 128 output tokens that lookup predicted: edit 0.78, extract 0.52,
+summarize 0.73, all 0.68. SmolLM2-135M mostly copies the passage whatever it is asked:
+it applied none of the 8 renames and often copied whole code instead of the asked lines;
+by instruction: spelling 0.89, rename 0.83, strip 0.74, copy lines 0.71, summarize 0.58,
+list functions 0.34.
 """
 
 from __future__ import annotations

@@ -86,6 +86,12 @@ class LLMEngine:
         # Filled in by LLM, the server and the CLI for the fields a request leaves unset; the
         # engine itself runs every request's SamplingParams exactly as given.
         self.sampling_defaults: SamplingDefaults = load_sampling_defaults(path, config.generation_config)
+        spec = config.speculative_config
+        draft_path, draft_cfg = None, None
+        if spec is not None and spec.method == "draft_model":
+            from kvflow.spec_decode.draft_model import draft_model_config
+
+            draft_path, draft_cfg = draft_model_config(spec, self.model_config)
         self.plan: KVCachePlan = plan_kv_cache(
             self.model_config,
             self.dtype,
@@ -93,6 +99,7 @@ class LLMEngine:
             self.max_model_len,
             kv_cache_memory=config.kv_cache_memory,
             memory_utilization=config.memory_utilization,
+            draft=draft_cfg,
         )
         attn_backend = get_attn_backend("cpu")
         model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed)
@@ -109,8 +116,18 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids
         )
-        self.speculator = (Speculator(config.speculative_config, self.max_model_len)
-                           if config.speculative_config is not None else None)
+        self.speculator = None
+        if spec is not None:
+            draft = None
+            if draft_path is not None:
+                from kvflow.spec_decode.draft_model import load_draft_proposer
+
+                draft_tokenizer = self._load_tokenizer(draft_path)
+                draft = load_draft_proposer(
+                    draft_path, draft_cfg, self.plan, self.dtype, attn_backend, self.eos_token_ids, config.seed,
+                    target_vocab=self.tokenizer.get_vocab() if self.tokenizer is not None else None,
+                    draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None)
+            self.speculator = Speculator(spec, self.max_model_len, draft)
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
         self.generation_tokens_total = 0

@@ -28,6 +28,10 @@ class KVCachePlan:
     num_blocks: int
     max_model_len: int
     weight_bytes: int
+    # Speculative decoding with a draft model: its KV cache holds as many tokens as the
+    # target's and comes out of the same budget.
+    draft_bytes_per_token: int = 0
+    draft_weight_bytes: int = 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -54,6 +58,10 @@ class KVCachePlan:
             ("KV bytes per token", f"{self.bytes_per_token:,} B"),
             ("block size", f"{self.block_size} tokens ({_fmt_bytes(self.bytes_per_block)})"),
             ("KV cache", f"{_fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks:,} blocks = {self.num_tokens:,} tokens"),
+            *([("draft weights", _fmt_bytes(self.draft_weight_bytes)),
+               ("draft KV per token", f"{self.draft_bytes_per_token:,} B"),
+               ("draft KV cache", f"{_fmt_bytes(self.draft_bytes_per_token * self.num_tokens)} "
+                                  f"(the same {self.num_tokens:,} tokens)")] if self.draft_bytes_per_token else []),
             ("max model len", f"{self.max_model_len:,} tokens"),
             ("max concurrency", f"{self.max_concurrency:.2f} sequences at max model len"),
         ]
@@ -89,28 +97,36 @@ def plan_kv_cache(
     kv_cache_memory: int | None = None,
     memory_utilization: float | None = None,
     activation_bytes: int = 0,
+    draft: ModelConfig | None = None,
 ) -> KVCachePlan:
+    """`draft`: a speculative draft model, whose weights and KV cache (as many tokens as the
+    target's) come out of the same budget."""
     if kv_cache_memory is not None and memory_utilization is not None:
         raise ValueError("kv_cache_memory and memory_utilization: set one, not both")
     elem = torch.tensor([], dtype=dtype).element_size()
     weight_bytes = cfg.num_parameters() * elem
     bytes_per_token = cfg.kv_bytes_per_token(dtype)
-    one_sequence = -(-max_model_len // block_size) * block_size * bytes_per_token
+    draft_bpt = draft.kv_bytes_per_token(dtype) if draft is not None else 0
+    draft_weights = draft.num_parameters() * elem if draft is not None else 0
+    one_sequence = -(-max_model_len // block_size) * block_size * (bytes_per_token + draft_bpt)
     if memory_utilization is not None:
         if not 0 < memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
-        budget = int(memory_utilization * system_memory_bytes()) - weight_bytes - activation_bytes
+        budget = int(memory_utilization * system_memory_bytes()) - weight_bytes - draft_weights - activation_bytes
         source = f"memory_utilization={memory_utilization}"
     else:
         budget = max(DEFAULT_KV_CACHE_MEMORY, one_sequence) if kv_cache_memory is None else int(kv_cache_memory)
         source = f"kv_cache_memory={budget}"
     if budget <= 0:
         raise ValueError(f"{source} leaves no memory for the KV cache after {_fmt_bytes(weight_bytes)} of weights")
-    plan = KVCachePlan(dtype, block_size, bytes_per_token, budget // (bytes_per_token * block_size), max_model_len, weight_bytes)
+    num_blocks = budget // ((bytes_per_token + draft_bpt) * block_size)
+    plan = KVCachePlan(dtype, block_size, bytes_per_token, num_blocks, max_model_len, weight_bytes, draft_bpt,
+                       draft_weights)
     if plan.num_tokens < max_model_len:
         need = one_sequence
+        whose = " with the draft model's (speculative_config.model) beside it" if draft is not None else ""
         raise ValueError(
-            f"the KV cache ({source}) holds {plan.num_tokens:,} tokens, fewer than one sequence of "
+            f"the KV cache ({source}){whose} holds {plan.num_tokens:,} tokens, fewer than one sequence of "
             f"max_model_len={max_model_len:,}: raise kv_cache_memory to at least {need:,} bytes "
             f"({_fmt_bytes(need)}) or lower max_model_len"
         )

@@ -157,7 +157,8 @@ class ModelRunner:
                 seqs.append(seq)
                 outputs.append(seq.output_token_ids + d[:j])
         meta = self._sampling_metadata(seqs, outputs, logits.shape[-1])
-        verified = self.rejection_sampler(logits[rows], meta, drafts, [items[i].seq.generator for i in spec])
+        verified = self.rejection_sampler(logits[rows], meta, drafts, [items[i].seq.generator for i in spec],
+                                          [items[i].spec_draft_probs for i in spec])
         for i, v in zip(spec, verified):
             results[i] = SampledTokens(items[i].seq, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted_tokens)
         return results

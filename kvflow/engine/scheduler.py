@@ -16,9 +16,13 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -37,6 +41,7 @@ class ScheduledSequence:
     # sequence's own, then its draft tokens (speculative decoding), which come last.
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: "torch.Tensor | None" = None  # [len(spec_token_ids), V], from a draft model
 
     @property
     def is_sampled(self) -> bool:
@@ -101,6 +106,7 @@ class Scheduler:
             # Draft tokens ride along with a decode when the budget has room for them; they
             # are dropped (not worth a preemption) when the pool has no slots for them.
             drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            draft_probs, seq.spec_draft_probs = seq.spec_draft_probs, None
             num_own = seq.num_tokens - seq.num_computed_tokens
             drafts = drafts[: max(0, budget - num_own)]
             if drafts and not self.kv.allocate_slots(seq, num_own + len(drafts)):
@@ -118,7 +124,9 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            item = ScheduledSequence(seq, num_new, drafts)
+            if draft_probs is not None and drafts:
+                draft_probs = draft_probs[: len(drafts)]
+            item = ScheduledSequence(seq, num_new, drafts, draft_probs if drafts else None)
             out.scheduled.append(item)
             scheduled_ids[seq.request_id] = item
             budget -= num_new
@@ -155,7 +163,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -52,6 +52,7 @@ class Sequence:
     # Draft tokens proposed for the next step (speculative decoding); not part of the output
     # until verified. The scheduler takes them (maybe fewer) and leaves this empty.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None  # [k, V] the proposer's distributions; None: one-hot
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

@@ -277,6 +277,8 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
 def register_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the KV cache memory plan without loading weights")
     add_model_args(p)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="plan a draft model's weights and KV cache beside the target's")
     p.set_defaults(func=run_plan)
 
 
@@ -284,13 +286,20 @@ def run_plan(args: argparse.Namespace) -> int:
     from kvflow.config import resolve_dtype, resolve_max_model_len
     from kvflow.engine.memory_plan import plan_kv_cache
     from kvflow.loader import load_model_config, resolve_model_path
+    from kvflow.spec_decode.config import SpeculativeConfig
 
     path = resolve_model_path(args.model)
     cfg = load_model_config(path)
     dtype = resolve_dtype(args.dtype, cfg)
     max_model_len = resolve_max_model_len(cfg, args.max_model_len)
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        from kvflow.spec_decode.draft_model import draft_model_config
+
+        draft = draft_model_config(spec, cfg)[1]
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
-                         memory_utilization=args.memory_utilization)
+                         memory_utilization=args.memory_utilization, draft=draft)
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
     print(plan.describe())
     return 0

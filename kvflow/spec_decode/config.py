@@ -29,8 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # draft_model: a smaller model with the target's vocabulary (HF directory or GGUF file).
     model: str | None = None
-    quantization: str | None = None
-    dtype: str | None = None  # default: the target's dtype
+    quantization: str | None = None  # the draft runs in the target's dtype
     # Speculation is off for every sequence while more than this many requests are
     # unfinished: a full batch is compute-bound and verifying guesses only slows it down.
     disable_by_batch_size: int | None = 4

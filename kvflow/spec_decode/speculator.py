@@ -26,6 +26,7 @@ from kvflow.spec_decode.ngram_proposer import NgramProposer
 
 if TYPE_CHECKING:
     from kvflow.engine.sequence import Sequence
+    from kvflow.spec_decode.draft_model import DraftModelProposer
 
 WINDOW = 4
 FIRST_BACKOFF = 8
@@ -85,12 +86,16 @@ class _SequenceState:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method: {config.method!r} needs a draft model runner")
+    """`draft` is the draft-model proposer for method "draft_model" (built by the engine, which
+    owns model loading); the n-gram proposer needs nothing."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: "DraftModelProposer | None" = None) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"speculative_config.method: {config.method!r} and the proposer given disagree")
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft = draft
         self.stats = SpecDecodeStats()
         self._state: dict[str, _SequenceState] = {}
 
@@ -99,6 +104,7 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if limit is not None and num_unfinished > limit:
             return
+        chosen, ks = [], []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # still prefilling (or recomputing after preemption)
@@ -109,7 +115,14 @@ class Speculator:
             if state.paused_steps > 0:
                 state.paused_steps -= 1
                 continue
-            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, k)
+            chosen.append(seq)
+            ks.append(k)
+        if self.draft is None:
+            for seq, k in zip(chosen, ks):
+                seq.spec_token_ids = self.ngram.propose(seq.all_token_ids, k)
+        elif chosen:
+            for seq, proposal in zip(chosen, self.draft.propose(chosen, ks)):
+                seq.spec_token_ids, seq.spec_draft_probs = proposal.token_ids, proposal.probs
 
     def _max_drafts(self, seq: "Sequence") -> int:
         k = self.config.num_speculative_tokens
@@ -137,3 +150,5 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)

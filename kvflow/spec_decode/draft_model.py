@@ -1,0 +1,168 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary guesses k tokens.
+
+The draft runs in its own paged KV cache (its own block pool, planned beside the target's:
+both hold the same number of tokens, see `engine/memory_plan.py`) through an ordinary
+`ModelRunner`, so it uses the same kernels, chunking and numerics as the target. Each
+proposal is k small steps over every speculating sequence at once:
+  1. catch-up: the tokens the draft has not seen yet (the whole prompt the first time,
+     afterwards the target's last token plus whatever of the previous drafts was kept);
+  2. k - 1 single-token steps, each feeding the previous guess.
+The draft's K/V past the kept tokens is dropped at the next proposal (the common prefix of
+what the draft saw and what the sequence holds), exactly as the target rolls back.
+
+Greedy requests take the draft's argmax. Sampled requests draw each guess from the draft's
+own distribution q under the request's sampling parameters (temperature, top-k/top-p/min-p,
+penalties seeing earlier guesses), with the request's generator, and hand q to the
+rejection sampler, which keeps the target's distribution exact whatever q is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvflow.config import ModelConfig
+from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.memory_plan import KVCachePlan
+from kvflow.engine.model_runner import ModelRunner
+from kvflow.layers.attention import AttentionBackend
+from kvflow.loader import load_model, load_model_config, resolve_model_path
+from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
+from kvflow.sampling.sampler import SamplingMetadata, apply_penalties, exponential_race, filter_logits, greedy
+
+if TYPE_CHECKING:
+    from kvflow.engine.sequence import Sequence
+    from kvflow.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(eq=False)
+class DraftSequence:
+    """What the draft model has seen of one request: the shape `ModelRunner` reads."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens of token_ids whose K/V is in the draft's cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.token_ids[start:end]
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [k, V] draft distribution of each guess; None for greedy requests
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: list[int]) -> None:
+        self.model, self.runner, self.kv = model, runner, kv
+        self.eos_token_ids = eos_token_ids
+        self._seen: dict[str, DraftSequence] = {}
+
+    @torch.inference_mode()
+    def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> list[Proposal]:
+        """Up to num_tokens[i] guesses for seqs[i]; fewer (or none) when the draft's pool is full."""
+        views, ks, rows = [], [], []
+        for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
+            view = self._catch_up(seq)
+            if view is not None and k > 0:
+                views.append(view)
+                ks.append(k)
+                rows.append(i)
+        drafts: list[list[int]] = [[] for _ in views]
+        probs: list[list[torch.Tensor]] = [[] for _ in views]
+        active = list(range(len(views)))
+        while active:
+            # One-token rows first, as the scheduler orders a batch (the attention metadata's decode rows).
+            active.sort(key=lambda a: views[a].num_tokens - views[a].num_computed_tokens > 1)
+            items = [ScheduledSequence(views[a], views[a].num_tokens - views[a].num_computed_tokens) for a in active]
+            inputs = self.runner.prepare_inputs(SchedulerOutput(items))
+            hidden = self.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.attn_metadata)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            tokens, q = self._sample(logits, [seqs[rows[a]] for a in active], [drafts[a] for a in active])
+            still = []
+            for j, a in enumerate(active):
+                views[a].num_computed_tokens = views[a].num_tokens
+                drafts[a].append(tokens[j])
+                if q is not None and q[j] is not None:
+                    probs[a].append(q[j])
+                if len(drafts[a]) < ks[a] and self.kv.allocate_slots(views[a], 1):
+                    views[a].token_ids.append(tokens[j])
+                    still.append(a)
+            active = still
+        out = [Proposal([], None) for _ in seqs]
+        for a, i in enumerate(rows):
+            out[i] = Proposal(drafts[a], torch.stack(probs[a]) if probs[a] else None)
+        return out
+
+    def _catch_up(self, seq: "Sequence") -> DraftSequence | None:
+        """Roll the draft back to what it saw that still stands, and give it slots for the rest."""
+        view = self._seen.setdefault(seq.request_id, DraftSequence(seq.request_id))
+        tokens = seq.all_token_ids
+        keep = min(view.num_computed_tokens, len(tokens) - 1)  # the last token is always fed again
+        start = max(0, keep - len(seq.output_token_ids) - 1)  # before that, tokens never change
+        while start < keep and view.token_ids[start] == tokens[start]:
+            start += 1
+        view.num_computed_tokens = start
+        self.kv.trim(view)
+        view.token_ids = tokens
+        if not self.kv.allocate_slots(view, view.num_tokens - view.num_computed_tokens):
+            self.forget(seq.request_id)  # no room: this sequence decodes without guesses this step
+            return None
+        return view
+
+    def _sample(self, logits: torch.Tensor, seqs: list["Sequence"], drafts: list[list[int]]):
+        """Each row's guess, and for sampled requests the distribution it was drawn from."""
+        meta = SamplingMetadata.build(
+            params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids + d for s, d in zip(seqs, drafts)],
+            generators=[s.generator for s in seqs], eos_token_ids=self.eos_token_ids, vocab_size=logits.shape[-1])
+        scores = apply_penalties(logits, meta)
+        tokens = greedy(scores).tolist()
+        if meta.random_rows is None:
+            return tokens, None
+        q: list[torch.Tensor | None] = [None] * len(seqs)
+        filtered = filter_logits(scores[meta.random_rows], meta)
+        for j, row in enumerate(meta.random_rows.tolist()):
+            tokens[row] = exponential_race(filtered[j], seqs[row].generator)
+            q[row] = filtered[j].softmax(dim=-1)
+        return tokens, q
+
+    def forget(self, request_id: str) -> None:
+        view = self._seen.pop(request_id, None)
+        if view is not None:
+            self.kv.free(view)
+
+
+def draft_model_config(config: "SpeculativeConfig", target: ModelConfig) -> tuple[str, ModelConfig]:
+    """The draft's path and shape, refused before any weight loads if its vocabulary differs."""
+    try:
+        path = resolve_model_path(config.model)
+        cfg = load_model_config(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary has {cfg.vocab_size:,} tokens, the "
+                         f"target's {target.vocab_size:,}; a draft must share the target's tokenizer")
+    return path, cfg
+
+
+def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: torch.dtype,
+                        attn_backend: AttentionBackend, eos_token_ids: list[int], seed: int = 0,
+                        target_vocab: dict[str, int] | None = None, draft_vocab: dict[str, int] | None = None,
+                        ) -> DraftModelProposer:
+    """Load the draft's weights and give it a KV pool as large (in tokens) as the target's."""
+    if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
+        differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
+        raise ValueError(f"speculative_config.model: the draft's tokenizer maps tokens differently from the "
+                         f"target's (e.g. {differ}); a draft must share the target's tokenizer")
+    model = load_model(path, cfg, dtype, attn_backend, "auto", seed)
+    kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
+    runner = ModelRunner(model, attn_backend, cfg, kv, dtype, eos_token_ids)
+    return DraftModelProposer(model, runner, kv, eos_token_ids)

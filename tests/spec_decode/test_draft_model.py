@@ -1,0 +1,96 @@
+"""The draft-model proposer: exact greedy output, its own pool kept whole, bad drafts refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import transformers
+
+from kvflow import LLM, SamplingParams
+from kvflow.entrypoints.cli import main
+from tests.conftest import save_random_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=1)
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return save_random_model(transformers.LlamaConfig(**SHAPE), tmp_path_factory.mktemp("target"), seed=77)[0]
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> str:
+    """Another random model of the same vocabulary: often wrong, sometimes right."""
+    shape = {**SHAPE, "hidden_size": 32, "num_hidden_layers": 1}
+    return save_random_model(transformers.LlamaConfig(**shape), tmp_path_factory.mktemp("draft"), seed=78)[0]
+
+
+def _prompts(n: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 320, int(rng.integers(5, 70))).tolist() for _ in range(n)]
+
+
+def _run(llm: LLM, params=GREEDY) -> list:
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    llm.engine.check_integrity()
+    for kv in (llm.engine.kv_cache_manager, llm.engine.speculator.draft.kv if llm.engine.speculator else None):
+        if kv is not None:
+            kv.check_integrity()
+            assert kv.num_free_blocks == kv.num_blocks, "blocks were not all returned to the pool"
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _spec(draft_path: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k, "disable_by_batch_size": None,
+            "min_mean_accepted": 0.0}
+
+
+@pytest.mark.parametrize("layout", [{}, {"max_num_batched_tokens": 9}, {"block_size": 1}])
+def test_greedy_equals_plain_decoding(target, draft, layout):
+    plain = _run(LLM(target, dtype="float32", **layout))
+    llm = LLM(target, dtype="float32", speculative_config=_spec(draft), **layout)
+    assert _run(llm) == plain
+    stats = llm.engine.get_stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_the_target_as_its_own_draft_is_always_right(target):
+    llm = LLM(target, dtype="float32", speculative_config=_spec(target, k=4))
+    assert _run(llm) == _run(LLM(target, dtype="float32"))
+    stats = llm.engine.get_stats().spec_decode
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_seeded_sampling_repeats(target, draft):
+    params = SamplingParams(temperature=0.7, seed=9, max_tokens=20)
+    llm = LLM(target, dtype="float32", speculative_config=_spec(draft))
+    first = _run(llm, params)
+    assert _run(llm, params) == first
+    assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    other = save_random_model(transformers.LlamaConfig(**{**SHAPE, "vocab_size": 300}), tmp_path / "other")[0]
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 300"):
+        LLM(target, dtype="float32", speculative_config=_spec(other))
+    with pytest.raises(ValueError, match="speculative_config.model: .*does not exist"):
+        LLM(target, dtype="float32", speculative_config=_spec(str(tmp_path / "missing")))
+
+
+def test_a_draft_that_does_not_fit_the_memory_plan_is_refused(target, draft):
+    alone = LLM(target, dtype="float32", kv_cache_memory=1 << 20, max_model_len=1024).engine.plan
+    budget = 1024 * alone.bytes_per_token + 1024  # the target alone fits one full sequence...
+    LLM(target, dtype="float32", kv_cache_memory=budget, max_model_len=1024)
+    with pytest.raises(ValueError, match=r"speculative_config.model"):  # ...the draft's KV beside it does not
+        LLM(target, dtype="float32", kv_cache_memory=budget, max_model_len=1024, speculative_config=_spec(draft))
+
+
+def test_plan_reports_the_draft(target, draft, capsys):
+    import json
+
+    assert main(["plan", "--model", target, "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                 "--speculative-config", json.dumps(_spec(draft))]) == 0
+    out = capsys.readouterr().out
+    assert "draft weights" in out and "draft KV cache" in out

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvflow.bench.datasets import fit_token_range
+from kvflow.bench.datasets import fit_token_range, grounded_requests
 from kvflow.bench.metrics import Percentiles, percentiles, request_latency
 
 WORKLOAD_TOKEN_RANGE = (1000, 40000)
@@ -94,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (W-latency: 128)")
     g.add_argument("--output-len", type=int, default=128, help="generated tokens (W-latency: 128)")
+    g.add_argument("--dataset", choices=["random", "grounded"], default="random",
+                   help="random: W-latency's ids of --input-len; grounded: W-grounded chat prompts (own lengths)")
     g.add_argument("--num-iters", type=int, default=5, help="timed requests, each with a fresh prompt")
     g.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up requests (from --warmup-seed)")
     g.add_argument("--dataset-seed", type=int, default=1, help="rng of the timed prompts (W-latency: 1)")
@@ -112,16 +114,24 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
         raise ValueError("--num-iters, --input-len and --output-len must be at least 1")
     engine = LLMEngine(config)
     token_range = fit_token_range(WORKLOAD_TOKEN_RANGE, engine.model_config.vocab_size)
-    timed = prompts(args.dataset_seed, args.num_iters, args.input_len, token_range)
+    if args.dataset == "grounded":
+        grounded = grounded_requests(engine.tokenizer, args.num_iters, args.dataset_seed, args.output_len)
+        timed = [r.prompt_token_ids for r in grounded]
+        warmup = [r.prompt_token_ids for r in grounded_requests(
+            engine.tokenizer, args.num_iters_warmup, args.warmup_seed, args.output_len, exclude=grounded)]
+    else:
+        timed = prompts(args.dataset_seed, args.num_iters, args.input_len, token_range)
+        warmup = prompts(args.warmup_seed, args.num_iters_warmup, args.input_len, token_range)
     seen = {tuple(p) for p in timed}
-    for i, prompt in enumerate(prompts(args.warmup_seed, args.num_iters_warmup, args.input_len, token_range)):
+    for i, prompt in enumerate(warmup):
         if tuple(prompt) in seen:
             raise RuntimeError("a warm-up prompt equals a timed prompt; choose another --warmup-seed")
         time_one_request(engine, f"latency-warmup-{i}", prompt, args.output_len)
     spec0 = engine.get_stats().spec_decode
     iterations = [time_one_request(engine, f"latency-{i}", p, args.output_len) for i, p in enumerate(timed)]
     result = LatencyResult(
-        dtype=str(engine.dtype).removeprefix("torch."), input_len=args.input_len, output_len=args.output_len,
+        dtype=str(engine.dtype).removeprefix("torch."), output_len=args.output_len,
+        input_len=args.input_len if args.dataset == "random" else round(sum(map(len, timed)) / len(timed)),
         num_threads=torch.get_num_threads(), iterations=iterations,
         ttft=percentiles(it.ttft_s for it in iterations), itl=percentiles(it.mean_itl_s for it in iterations),
     )

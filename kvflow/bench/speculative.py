@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=["grounded", "random", "jsonl"], default="grounded")
     g.add_argument("--dataset-path", help="for --dataset jsonl")
     g.add_argument("--num-prompts", type=int, default=12)
-    g.add_argument("--output-len", type=int, default=128, help="max tokens per request")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="max tokens per request (default: 128; random: W-offline's 32..256 per request)")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
     g.add_argument("--max-concurrency", type=int, default=1, help="1: batch 1, alternating engines; 0: all at once")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling per request")
@@ -106,13 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_requests(args: argparse.Namespace, tokenizer, vocab_size: int, seed: int, count: int,
                    exclude: list[BenchRequest] | tuple = ()) -> list[BenchRequest]:
     if args.dataset == "grounded":
-        return grounded_requests(tokenizer, count, seed, args.output_len, exclude)
-    if args.dataset == "random":
+        return grounded_requests(tokenizer, count, seed, args.output_len or 128, exclude)
+    if args.dataset == "random":  # W-offline's definition (with --num-prompts 32 and --dataset-seed 0)
         token_range = fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
-        return random_requests(count, (32, 512), (args.output_len, args.output_len), seed, token_range)
+        out = (args.output_len, args.output_len) if args.output_len else (32, 256)
+        return random_requests(count, (32, 512), out, seed, token_range)
     if not args.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
-    return jsonl_requests(args.dataset_path, tokenizer, args.output_len)[:count]
+    return jsonl_requests(args.dataset_path, tokenizer, args.output_len or 128)[:count]
 
 
 def _params(args: argparse.Namespace, req: BenchRequest, index: int):

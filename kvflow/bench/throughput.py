@@ -21,7 +21,8 @@ from dataclasses import asdict
 
 import numpy as np
 
-from kvflow.bench.datasets import BenchRequest, fit_token_range, jsonl_requests, prefix_requests, random_requests
+from kvflow.bench.datasets import (BenchRequest, fit_token_range, grounded_requests, jsonl_requests, prefix_requests,
+                                   random_requests)
 from kvflow.bench.hf_baseline import run_baseline
 from kvflow.bench.results import ThroughputResult, current_rss_mb, peak_rss_mb
 
@@ -87,6 +88,8 @@ def build_requests(args: argparse.Namespace, seed: int, tokenizer=None,
     if args.dataset == "prefix":
         return prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.output_len_max, seed,
                                token_range)
+    if args.dataset == "grounded":
+        return grounded_requests(tokenizer, args.num_prompts, seed, args.output_len_max)
     return jsonl_requests(args.dataset_path, tokenizer, args.output_len_max)
 
 
@@ -96,6 +99,8 @@ def warmup_requests(args: argparse.Namespace, timed: list[BenchRequest], tokeniz
 
     A JSONL file has no second draw, so its warm-up is random ids of the same lengths.
     """
+    if args.dataset == "grounded":  # another draw that shares no passage with the timed set
+        return grounded_requests(tokenizer, args.num_prompts, args.warmup_seed, args.output_len_max, exclude=timed)
     if args.dataset != "jsonl":
         return build_requests(args, args.warmup_seed, tokenizer, vocab_size)
     low, high = WORKLOAD_TOKEN_RANGE if vocab_size is None else fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
@@ -120,7 +125,7 @@ def describe_ratios(r: dict[str, float], baseline: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Workload options; engine options come from the CLI's shared groups."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["random", "prefix", "jsonl"], default="random")
+    g.add_argument("--dataset", choices=["random", "prefix", "jsonl", "grounded"], default="random")
     g.add_argument("--dataset-path", help="for --dataset jsonl")
     g.add_argument("--num-prompts", type=int, default=32)
     g.add_argument("--input-len-min", type=int, default=32)

@@ -91,7 +91,7 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":
             from kvflow.spec_decode.draft_model import draft_model_config
 
-            draft_path, draft_cfg = draft_model_config(spec, self.model_config)
+            draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
         self.plan: KVCachePlan = plan_kv_cache(
             self.model_config,
             self.dtype,
@@ -126,7 +126,8 @@ class LLMEngine:
                 draft = load_draft_proposer(
                     draft_path, draft_cfg, self.plan, self.dtype, attn_backend, self.eos_token_ids, config.seed,
                     target_vocab=self.tokenizer.get_vocab() if self.tokenizer is not None else None,
-                    draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None)
+                    draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
+                    max_catch_up_tokens=config.max_num_batched_tokens)
             self.speculator = Speculator(spec, self.max_model_len, draft)
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
@@ -220,6 +221,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.running) + len(self.scheduler.waiting))
         sched = self.scheduler.schedule()
+        if self.speculator is not None and sched.preempted:
+            self.speculator.preempted(sched.preempted)
         if sched.is_empty:
             return []
         sampled = self.runner.execute(sched)
@@ -228,6 +231,8 @@ class LLMEngine:
         stopped: list[tuple[_Request, SequenceStatus]] = []
         num_rejected: dict[str, int] = {}
         for result in sampled:
+            if result.num_draft_tokens:
+                num_rejected[result.seq.request_id] = result.num_rejected_tokens
             req = self._requests.get(result.seq.request_id)
             if req is None:
                 continue
@@ -235,10 +240,10 @@ class LLMEngine:
             advanced.append(req)
             if status is not None:
                 stopped.append((req, status))
-            if result.num_draft_tokens:
-                num_rejected[result.seq.request_id] = result.num_rejected_tokens
-                if self.speculator is not None:
-                    self.speculator.record(result.seq.request_id, result.num_draft_tokens, result.num_accepted_tokens)
+            if result.num_draft_tokens and self.speculator is not None:
+                # Drafts kept past a stop (EOS, stop string, max_tokens) were dropped: not counted as accepted.
+                kept = min(result.num_accepted_tokens, len(req.new_token_ids) - 1)
+                self.speculator.record(result.seq.request_id, result.num_draft_tokens, kept)
         # After the append, so that blocks completed by accepted drafts hash the right tokens;
         # before finishing, so that a finished sequence's last full blocks are still published.
         self.scheduler.update_after_step(sched, num_rejected)

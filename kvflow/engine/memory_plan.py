@@ -118,7 +118,9 @@ def plan_kv_cache(
         budget = max(DEFAULT_KV_CACHE_MEMORY, one_sequence) if kv_cache_memory is None else int(kv_cache_memory)
         source = f"kv_cache_memory={budget}"
     if budget <= 0:
-        raise ValueError(f"{source} leaves no memory for the KV cache after {_fmt_bytes(weight_bytes)} of weights")
+        draft_note = f" and {_fmt_bytes(draft_weights)} of draft weights" if draft is not None else ""
+        raise ValueError(f"{source} leaves no memory for the KV cache after {_fmt_bytes(weight_bytes)} of weights"
+                         f"{draft_note}")
     num_blocks = budget // ((bytes_per_token + draft_bpt) * block_size)
     plan = KVCachePlan(dtype, block_size, bytes_per_token, num_blocks, max_model_len, weight_bytes, draft_bpt,
                        draft_weights)

@@ -103,15 +103,7 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            # Draft tokens ride along with a decode when the budget has room for them; they
-            # are dropped (not worth a preemption) when the pool has no slots for them.
-            drafts, seq.spec_token_ids = seq.spec_token_ids, []
-            draft_probs, seq.spec_draft_probs = seq.spec_draft_probs, None
-            num_own = seq.num_tokens - seq.num_computed_tokens
-            drafts = drafts[: max(0, budget - num_own)]
-            if drafts and not self.kv.allocate_slots(seq, num_own + len(drafts)):
-                drafts = []
-            num_new = min(num_own + len(drafts), budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
                 victim = max(self.running, key=Sequence.sort_key)
                 undone = scheduled_ids.pop(victim.request_id, None)
@@ -124,9 +116,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            if draft_probs is not None and drafts:
-                draft_probs = draft_probs[: len(drafts)]
-            item = ScheduledSequence(seq, num_new, drafts, draft_probs if drafts else None)
+            item = ScheduledSequence(seq, num_new)
             out.scheduled.append(item)
             scheduled_ids[seq.request_id] = item
             budget -= num_new
@@ -156,8 +146,26 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
+        self._add_drafts(out, budget)
         out.scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # single-token rows first (batched decode)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Draft tokens (speculative decoding) ride along with decodes, last: only from the budget and
+        free blocks that every sequence's own tokens and admissions left, and never preempting anyone."""
+        for item in out.scheduled:
+            seq = item.seq
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            draft_probs, seq.spec_draft_probs = seq.spec_draft_probs, None
+            drafts = drafts[: max(0, budget)]
+            if not drafts or not item.num_new_tokens == 1 == seq.num_tokens - seq.num_computed_tokens:
+                continue  # drafts only follow a decode
+            if not self.kv.allocate_slots(seq, 1 + len(drafts)):
+                continue
+            item.num_new_tokens += len(drafts)
+            item.spec_token_ids = drafts
+            item.spec_draft_probs = draft_probs[: len(drafts)] if draft_probs is not None else None
+            budget -= len(drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -297,7 +297,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if spec is not None and spec.method == "draft_model":
         from kvflow.spec_decode.draft_model import draft_model_config
 
-        draft = draft_model_config(spec, cfg)[1]
+        draft = draft_model_config(spec, cfg, max_model_len)[1]
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
                          memory_utilization=args.memory_utilization, draft=draft)
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")

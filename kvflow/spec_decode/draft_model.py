@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from kvflow.spec_decode.config import SpeculativeConfig
 
 
+DRAFT_SEED_SALT = 0x5EED_D4AF7
+
+
 @dataclass(eq=False)
 class DraftSequence:
     """What the draft model has seen of one request: the shape `ModelRunner` reads."""
@@ -44,6 +47,9 @@ class DraftSequence:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens of token_ids whose K/V is in the draft's cache
+    # A seeded request's guesses come from a stream of their own, so that guessing never
+    # shifts the request's generator, which verification alone draws from.
+    generator: torch.Generator | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,35 +66,50 @@ class Proposal:
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: list[int]) -> None:
+    def __init__(self, model: torch.nn.Module, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: list[int],
+                 max_catch_up_tokens: int = 2048) -> None:
         self.model, self.runner, self.kv = model, runner, kv
         self.eos_token_ids = eos_token_ids
+        # Tokens the draft may catch up on per step (the target's token budget): a long prompt
+        # is caught up over several steps, without guesses until it is done.
+        self.max_catch_up_tokens = max_catch_up_tokens
         self._seen: dict[str, DraftSequence] = {}
 
     @torch.inference_mode()
     def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> list[Proposal]:
         """Up to num_tokens[i] guesses for seqs[i]; fewer (or none) when the draft's pool is full."""
-        views, ks, rows = [], [], []
+        views, ks, rows, chunks = [], [], [], []
+        budget = self.max_catch_up_tokens
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
-            view = self._catch_up(seq)
-            if view is not None and k > 0:
-                views.append(view)
-                ks.append(k)
-                rows.append(i)
+            view = self._catch_up(seq) if k > 0 and budget > 0 else None
+            if view is None:
+                continue
+            chunk = min(view.num_tokens - view.num_computed_tokens, budget)
+            budget -= chunk
+            views.append(view)
+            ks.append(k)
+            rows.append(i)
+            chunks.append(chunk)
         drafts: list[list[int]] = [[] for _ in views]
         probs: list[list[torch.Tensor]] = [[] for _ in views]
         active = list(range(len(views)))
         while active:
             # One-token rows first, as the scheduler orders a batch (the attention metadata's decode rows).
-            active.sort(key=lambda a: views[a].num_tokens - views[a].num_computed_tokens > 1)
-            items = [ScheduledSequence(views[a], views[a].num_tokens - views[a].num_computed_tokens) for a in active]
+            active.sort(key=lambda a: chunks[a] > 1)
+            items = [ScheduledSequence(views[a], chunks[a]) for a in active]
             inputs = self.runner.prepare_inputs(SchedulerOutput(items))
             hidden = self.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.attn_metadata)
+            for a in active:
+                views[a].num_computed_tokens += chunks[a]
+            active = [a for a in active if views[a].num_computed_tokens == views[a].num_tokens]  # caught up
+            if not active:
+                break
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            tokens, q = self._sample(logits, [seqs[rows[a]] for a in active], [drafts[a] for a in active])
+            tokens, q = self._sample(logits, [seqs[rows[a]] for a in active], [drafts[a] for a in active],
+                                     [views[a].generator for a in active])
             still = []
             for j, a in enumerate(active):
-                views[a].num_computed_tokens = views[a].num_tokens
+                chunks[a] = 1
                 drafts[a].append(tokens[j])
                 if q is not None and q[j] is not None:
                     probs[a].append(q[j])
@@ -103,7 +124,11 @@ class DraftModelProposer:
 
     def _catch_up(self, seq: "Sequence") -> DraftSequence | None:
         """Roll the draft back to what it saw that still stands, and give it slots for the rest."""
-        view = self._seen.setdefault(seq.request_id, DraftSequence(seq.request_id))
+        view = self._seen.get(seq.request_id)
+        if view is None:
+            seed = seq.params.seed
+            generator = torch.Generator().manual_seed(seed ^ DRAFT_SEED_SALT) if seed is not None else None
+            view = self._seen[seq.request_id] = DraftSequence(seq.request_id, generator=generator)
         tokens = seq.all_token_ids
         keep = min(view.num_computed_tokens, len(tokens) - 1)  # the last token is always fed again
         start = max(0, keep - len(seq.output_token_ids) - 1)  # before that, tokens never change
@@ -117,12 +142,13 @@ class DraftModelProposer:
             return None
         return view
 
-    def _sample(self, logits: torch.Tensor, seqs: list["Sequence"], drafts: list[list[int]]):
+    def _sample(self, logits: torch.Tensor, seqs: list["Sequence"], drafts: list[list[int]],
+                generators: list[torch.Generator | None]):
         """Each row's guess, and for sampled requests the distribution it was drawn from."""
         meta = SamplingMetadata.build(
             params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_token_ids + d for s, d in zip(seqs, drafts)],
-            generators=[s.generator for s in seqs], eos_token_ids=self.eos_token_ids, vocab_size=logits.shape[-1])
+            generators=generators, eos_token_ids=self.eos_token_ids, vocab_size=logits.shape[-1])
         scores = apply_penalties(logits, meta)
         tokens = greedy(scores).tolist()
         if meta.random_rows is None:
@@ -130,7 +156,7 @@ class DraftModelProposer:
         q: list[torch.Tensor | None] = [None] * len(seqs)
         filtered = filter_logits(scores[meta.random_rows], meta)
         for j, row in enumerate(meta.random_rows.tolist()):
-            tokens[row] = exponential_race(filtered[j], seqs[row].generator)
+            tokens[row] = exponential_race(filtered[j], generators[row])
             q[row] = filtered[j].softmax(dim=-1)
         return tokens, q
 
@@ -140,8 +166,9 @@ class DraftModelProposer:
             self.kv.free(view)
 
 
-def draft_model_config(config: "SpeculativeConfig", target: ModelConfig) -> tuple[str, ModelConfig]:
-    """The draft's path and shape, refused before any weight loads if its vocabulary differs."""
+def draft_model_config(config: "SpeculativeConfig", target: ModelConfig, max_model_len: int) -> tuple[str, ModelConfig]:
+    """The draft's path and shape, refused before any weight loads if its vocabulary differs or
+    its context is shorter than the sequences it must follow."""
     try:
         path = resolve_model_path(config.model)
         cfg = load_model_config(path)
@@ -150,13 +177,17 @@ def draft_model_config(config: "SpeculativeConfig", target: ModelConfig) -> tupl
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocabulary has {cfg.vocab_size:,} tokens, the "
                          f"target's {target.vocab_size:,}; a draft must share the target's tokenizer")
+    context = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+    if context < max_model_len:
+        raise ValueError(f"speculative_config.model: the draft attends over {context:,} positions, fewer than "
+                         f"max_model_len={max_model_len:,}; lower max_model_len or choose a longer-context draft")
     return path, cfg
 
 
 def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: torch.dtype,
                         attn_backend: AttentionBackend, eos_token_ids: list[int], seed: int = 0,
                         target_vocab: dict[str, int] | None = None, draft_vocab: dict[str, int] | None = None,
-                        ) -> DraftModelProposer:
+                        max_catch_up_tokens: int = 2048) -> DraftModelProposer:
     """Load the draft's weights and give it a KV pool as large (in tokens) as the target's."""
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
         differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
@@ -165,4 +196,4 @@ def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: t
     model = load_model(path, cfg, dtype, attn_backend, "auto", seed)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
     runner = ModelRunner(model, attn_backend, cfg, kv, dtype, eos_token_ids)
-    return DraftModelProposer(model, runner, kv, eos_token_ids)
+    return DraftModelProposer(model, runner, kv, eos_token_ids, max_catch_up_tokens)

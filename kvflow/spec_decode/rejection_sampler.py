@@ -9,15 +9,19 @@ already been generated).
 Greedy rows keep drafts while each equals the target's argmax, then add the argmax of the
 first row that disagrees (or of row k+1): the same tokens as decoding one at a time.
 
-Random rows use rejection sampling (Leviathan et al. 2023; Chen et al. 2023): d_j is kept
-with probability min(1, p_j(d_j) / q_j(d_j)), where q_j is the proposer's distribution; the
-first rejected position draws from the residual max(0, p_j - q_j), renormalised, and a fully
-accepted run draws one bonus token from p_{k+1}. Every emitted token is then distributed
-exactly as p. A deterministic proposer (n-gram lookup) has q_j = one-hot(d_j): d_j is kept
-with probability p_j(d_j) and the residual is p_j without d_j.
+Random rows with a draft model use rejection sampling (Leviathan et al. 2023; Chen et al.
+2023): d_j is kept with probability min(1, p_j(d_j) / q_j(d_j)), where q_j is the draft's
+distribution; the first rejected position draws from the residual max(0, p_j - q_j),
+renormalised, and a fully accepted run draws one bonus token from p_{k+1}. Every emitted
+token is then distributed exactly as p.
 
-A seeded sequence draws its k uniforms and each token's Exp(1) race from its own generator,
-so the same seed gives the same output on every run, whatever shares the batch.
+A deterministic proposer (n-gram lookup) has q_j = one-hot(d_j), and then rejection sampling
+is the same as sampling first and comparing: draw t_j from p_j, keep d_j if t_j == d_j, else
+emit t_j and stop (t_j is then distributed as p_j without d_j, the residual). Drawn that way,
+row by row with the same Exp(1) race the plain sampler uses, a seeded request consumes its
+generator exactly as decoding one token at a time does, so its output is the same with
+speculation on or off, whatever shares the batch. With a draft model a seeded request is
+reproducible run to run, but its stream differs from plain decoding (k uniforms per step).
 """
 
 from __future__ import annotations
@@ -114,28 +118,25 @@ def _verify_greedy(targets: list[int], drafts: list[int]) -> list[int]:
 def _verify_random(
     x: torch.Tensor, p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator | None
 ) -> list[int]:
-    """Rejection sampling over one sequence's k+1 rows of filtered target logits `x` (p = softmax(x))."""
+    """One sequence's k+1 rows of filtered target logits `x` (p = softmax(x)); q None: one-hot drafts."""
     k = len(drafts)
-    if k == 0:
-        return [exponential_race(x[0], generator)]
+    if q is None:  # sample, then compare: exact for a one-hot proposal, and the plain sampler's stream
+        emitted = []
+        for j in range(k + 1):
+            emitted.append(exponential_race(x[j], generator))
+            if j == k or emitted[-1] != drafts[j]:
+                return emitted
     draft_index = torch.tensor(drafts, dtype=torch.long)
     p_draft = p[torch.arange(k), draft_index]
-    if q is None:
-        accept_prob = p_draft
-    else:
-        q_draft = q[torch.arange(k), draft_index]
-        accept_prob = torch.where(q_draft > 0, p_draft / q_draft, torch.ones_like(p_draft)).clamp(max=1.0)
+    q_draft = q[torch.arange(k), draft_index]
+    accept_prob = torch.where(q_draft > 0, p_draft / q_draft, torch.ones_like(p_draft)).clamp(max=1.0)
     uniforms = torch.rand(k, generator=generator, dtype=torch.float32)
     accepted = (uniforms < accept_prob).tolist()
     for j in range(k):
         if accepted[j]:
             continue
-        if q is None:
-            residual = x[j].clone()
-            residual[drafts[j]] = float("-inf")
-        else:
-            mass = (p[j] - q[j]).clamp(min=0)
-            # p == q up to rounding leaves no residual mass; then p itself is the right law.
-            residual = mass.log() if float(mass.sum()) > 0 else x[j]
+        mass = (p[j] - q[j]).clamp(min=0)
+        # p == q up to rounding leaves no residual mass; then p itself is the right law.
+        residual = mass.log() if float(mass.sum()) > 0 else x[j]
         return drafts[:j] + [exponential_race(residual, generator)]
     return drafts + [exponential_race(x[k], generator)]

@@ -101,6 +101,8 @@ class Speculator:
 
     def propose(self, running: list["Sequence"], num_unfinished: int) -> None:
         """Set `spec_token_ids` on the decoding sequences that should speculate this step."""
+        for seq in running:  # drafts the scheduler had no room for last step are not reused
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
         limit = self.config.disable_by_batch_size
         if limit is not None and num_unfinished > limit:
             return
@@ -129,8 +131,9 @@ class Speculator:
         max_tokens = seq.params.max_tokens
         if max_tokens is not None:
             k = min(k, max_tokens - len(seq.output_token_ids) - 1)
-        # The last draft's K/V goes to position num_tokens - 1 + k, which must be < max_model_len.
-        return min(k, self.max_model_len - seq.num_tokens)
+        # The last draft's K/V goes to position num_tokens - 1 + k, which must be < max_model_len;
+        # one less still emits as many tokens (d_k itself reaches max_model_len and ends the sequence).
+        return min(k, self.max_model_len - seq.num_tokens - 1)
 
     def record(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """Account one verified step of a sequence and update its pause state."""
@@ -147,6 +150,12 @@ class Speculator:
         else:
             state.backoff = FIRST_BACKOFF
         state.recent.clear()
+
+    def preempted(self, seqs: list["Sequence"]) -> None:
+        """A preempted sequence waits without running: its draft-model KV goes back to the draft's pool."""
+        if self.draft is not None:
+            for seq in seqs:
+                self.draft.forget(seq.request_id)
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)

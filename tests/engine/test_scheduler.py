@@ -414,3 +414,46 @@ def test_admission_keeps_decode_headroom():
     assert h.kv.num_free_blocks == 2
     h.run()
     assert h.sched.num_preemptions == 0
+
+
+def _decoding(i: int, kv: KVCacheManager, length: int = 7) -> Sequence:
+    """A running sequence whose tokens all have K/V but the last (a decode is due)."""
+    seq = Sequence(f"d{i}", list(range(1, length + 1)), SamplingParams(max_tokens=100))
+    seq.num_computed_tokens = length - 1
+    assert kv.allocate_slots(seq, 0)
+    return seq
+
+
+def test_drafts_take_only_what_every_decode_left():
+    """Drafts come last: a tight budget still decodes every sequence, and drafts never preempt."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
+    seqs = [_decoding(i, kv) for i in range(10)]
+    for seq in seqs:
+        sched.add(seq)
+        sched.waiting.remove(seq)
+        sched.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.spec_token_ids = [5, 6, 7, 8]
+    out = sched.schedule()
+    assert len(out.scheduled) == 10 and not out.preempted
+    assert out.num_batched_tokens == 16  # ten own tokens, six drafts from what was left
+    assert sum(len(it.spec_token_ids) for it in out.scheduled) == 6
+    assert all(s.spec_token_ids == [] for s in seqs)  # taken (or dropped) by the scheduler
+
+
+def test_drafts_never_take_the_block_another_decode_needs():
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    sched = Scheduler(SchedulerConfig(), kv)
+    first = _decoding(0, kv, length=6)  # 2 blocks; room for its own token in the second
+    second = _decoding(1, kv, length=9)  # 2 blocks; its own token needs a third
+    for seq in (first, second):
+        sched.add(seq)
+        sched.waiting.remove(seq)
+        sched.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+    first.spec_token_ids = [1, 2, 3, 4]  # would need a new block
+    assert kv.num_free_blocks == 1
+    out = sched.schedule()
+    assert not out.preempted
+    assert {it.seq.request_id: it.spec_token_ids for it in out.scheduled} == {"d0": [], "d1": []}

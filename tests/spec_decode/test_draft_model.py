@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
@@ -16,15 +17,26 @@ SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_l
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> str:
-    return save_random_model(transformers.LlamaConfig(**SHAPE), tmp_path_factory.mktemp("target"), seed=77)[0]
+def models(tmp_path_factory) -> tuple[str, str]:
+    """A random target, and as its draft the same weights under noise: often right, often wrong."""
+    target, hf = save_random_model(transformers.LlamaConfig(**SHAPE), tmp_path_factory.mktemp("target"), seed=77)
+    generator = torch.Generator().manual_seed(78)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.03)
+    draft = tmp_path_factory.mktemp("draft")
+    hf.save_pretrained(draft, safe_serialization=True)
+    return target, str(draft)
 
 
 @pytest.fixture(scope="module")
-def draft(tmp_path_factory) -> str:
-    """Another random model of the same vocabulary: often wrong, sometimes right."""
-    shape = {**SHAPE, "hidden_size": 32, "num_hidden_layers": 1}
-    return save_random_model(transformers.LlamaConfig(**shape), tmp_path_factory.mktemp("draft"), seed=78)[0]
+def target(models) -> str:
+    return models[0]
+
+
+@pytest.fixture(scope="module")
+def draft(models) -> str:
+    return models[1]
 
 
 def _prompts(n: int = 8) -> list[list[int]]:
@@ -77,6 +89,13 @@ def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
         LLM(target, dtype="float32", speculative_config=_spec(other))
     with pytest.raises(ValueError, match="speculative_config.model: .*does not exist"):
         LLM(target, dtype="float32", speculative_config=_spec(str(tmp_path / "missing")))
+
+
+def test_a_draft_with_a_shorter_context_is_refused(target, tmp_path):
+    short = save_random_model(transformers.LlamaConfig(**{**SHAPE, "max_position_embeddings": 256}), tmp_path / "s")[0]
+    with pytest.raises(ValueError, match="speculative_config.model: the draft attends over 256 positions"):
+        LLM(target, dtype="float32", speculative_config=_spec(short))
+    LLM(target, dtype="float32", max_model_len=256, kv_cache_memory=1 << 20, speculative_config=_spec(short))
 
 
 def test_a_draft_that_does_not_fit_the_memory_plan_is_refused(target, draft):

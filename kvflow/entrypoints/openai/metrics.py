@@ -70,7 +70,7 @@ class ServerMetrics:
             for stat, name, doc in _COUNTERS
         }
         self._last_totals = {stat: 0 for stat, _, _ in _COUNTERS}
-        self._spec = _SpecDecodeMetrics(self.registry, model_name)
+        self._spec: _SpecDecodeMetrics | None = None  # registered once speculation reports (only when on)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
 
@@ -87,6 +87,8 @@ class ServerMetrics:
                 self._last_totals[stat] = total
 
         if stats.spec_decode is not None:
+            if self._spec is None:
+                self._spec = _SpecDecodeMetrics(self.registry, self.model_name)
             self._spec.refresh(stats.spec_decode)
 
     def render(self, stats: EngineStats) -> bytes:

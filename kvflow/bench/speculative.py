@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvflow.bench.datasets import BenchRequest, fit_token_range, grounded_requests, jsonl_requests, random_requests
+from kvflow.bench.grounded import workload_fingerprint
 
 WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
@@ -54,6 +55,7 @@ class SpecBenchResult:
     num_spec_steps: int
     accepted_per_position: list[int]
     identical_outputs: bool | None  # greedy only: None when sampling
+    workload_fingerprint: str = ""  # sha256 of the timed prompts: the grounded set moves with kvflow's sources
 
     @property
     def speedup(self) -> float:
@@ -76,6 +78,7 @@ class SpecBenchResult:
             f"{per_step:.2f} tokens per speculative step over {self.num_spec_steps} steps; "
             f"accepted by position {self.accepted_per_position}",
         ]
+        lines.append(f"  workload fingerprint {self.workload_fingerprint[:16]}")
         if self.identical_outputs is not None:
             lines.append(f"  greedy outputs identical: {'yes' if self.identical_outputs else 'NO (a bug)'}")
         return "\n".join(lines)
@@ -176,6 +179,7 @@ def run(config, args: argparse.Namespace) -> SpecBenchResult:
         num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
         num_spec_steps=stats.num_spec_steps, accepted_per_position=stats.accepted_per_position,
         identical_outputs=outputs["plain"] == outputs["spec"] if args.temperature == 0 else None,
+        workload_fingerprint=workload_fingerprint(requests),
     )
     print(result.summary(config.speculative_config.describe()))
     if args.output:

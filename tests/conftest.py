@@ -149,6 +149,13 @@ def save_random_model(config, directory: Path, seed: int = 1234):
     return str(directory), hf
 
 
+def save_tiny_llama(directory: Path, seed: int = 1234, **shape):
+    """A random Llama of the TINY shape, with any of its fields overridden; returns (path, hf_model)."""
+    import transformers
+
+    return save_random_model(transformers.LlamaConfig(**{**TINY, **shape}), directory, seed)
+
+
 def build_tiny_model(arch: str, directory: Path):
     """A tiny random model of one supported architecture; returns (path, hf_model)."""
     return save_random_model(_tiny_config(arch), directory)

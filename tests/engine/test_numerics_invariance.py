@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from tests.conftest import save_random_model
+from tests.conftest import save_tiny_llama
 
 DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 PARAMS = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
@@ -31,11 +31,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=2)
 @pytest.fixture(scope="module")
 def gqa_model(tmp_path_factory) -> str:
     """A random Llama with 6 query heads over 2 KV heads of 32 dims, sharpened so greedy is decisive."""
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
-    return save_random_model(config, tmp_path_factory.mktemp("tiny-gqa"), seed=4321)[0]
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-gqa"), seed=4321, vocab_size=512, hidden_size=192,
+                           intermediate_size=384, num_attention_heads=6)[0]
 
 
 def invariance_prompts() -> list[list[int]]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from tests.conftest import save_random_model
+from tests.conftest import save_tiny_llama
 from tests.spec_decode.chi_square import homogeneity
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -27,11 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, min_tokens=32, logprobs=2)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return save_random_model(config, tmp_path_factory.mktemp("tiny-spec"), seed=77)[0]
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-spec"), seed=77)[0]
 
 
 def _prompts(n: int = 12) -> list[list[int]]:
@@ -134,11 +130,9 @@ def test_seeded_sampling_is_plain_decodings_whatever_the_batch(model):
 
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory) -> str:
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    return save_random_model(config, tmp_path_factory.mktemp("tiny-vocab"), seed=5)[0]
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-vocab"), seed=5, vocab_size=48, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           max_position_embeddings=256)[0]
 
 
 def test_first_two_tokens_follow_the_same_law(small_vocab_model):

@@ -5,21 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from kvflow import LLM, SamplingParams
 from kvflow.entrypoints.cli import main
-from tests.conftest import save_random_model
+from tests.conftest import save_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=1)
-SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[str, str]:
     """A random target, and as its draft the same weights under noise: often right, often wrong."""
-    target, hf = save_random_model(transformers.LlamaConfig(**SHAPE), tmp_path_factory.mktemp("target"), seed=77)
+    target, hf = save_tiny_llama(tmp_path_factory.mktemp("target"), seed=77)
     generator = torch.Generator().manual_seed(78)
     with torch.no_grad():
         for p in hf.parameters():
@@ -84,7 +81,7 @@ def test_seeded_sampling_repeats(target, draft):
 
 
 def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
-    other = save_random_model(transformers.LlamaConfig(**{**SHAPE, "vocab_size": 300}), tmp_path / "other")[0]
+    other = save_tiny_llama(tmp_path / "other", vocab_size=300)[0]
     with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary has 300"):
         LLM(target, dtype="float32", speculative_config=_spec(other))
     with pytest.raises(ValueError, match="speculative_config.model: .*does not exist"):
@@ -92,7 +89,7 @@ def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
 
 
 def test_a_draft_with_a_shorter_context_is_refused(target, tmp_path):
-    short = save_random_model(transformers.LlamaConfig(**{**SHAPE, "max_position_embeddings": 256}), tmp_path / "s")[0]
+    short = save_tiny_llama(tmp_path / "s", max_position_embeddings=256)[0]
     with pytest.raises(ValueError, match="speculative_config.model: the draft attends over 256 positions"):
         LLM(target, dtype="float32", speculative_config=_spec(short))
     LLM(target, dtype="float32", max_model_len=256, kv_cache_memory=1 << 20, speculative_config=_spec(short))

@@ -96,10 +96,13 @@ class ModelRunner:
         seq_lens = starts + lens
         num_decodes = int(np.argmax(lens > 1)) if (lens > 1).any() else len(items)
         sampled = [i for i, it in enumerate(items) if it.is_sampled]
-        ends = query_start[1:]
-        logits_indices = np.concatenate(
-            [np.arange(ends[i] - 1 - len(items[i].spec_token_ids), ends[i]) for i in sampled]
-        ) if sampled else np.zeros(0, dtype=np.int64)
+        ends = query_start[1:][sampled]
+        num_rows = np.fromiter((1 + len(items[i].spec_token_ids) for i in sampled), dtype=np.int64, count=len(sampled))
+        if len(sampled) == 0 or num_rows.max() == 1:
+            logits_indices = ends - 1
+        else:  # a speculating sequence's last 1 + k positions, in order
+            first = np.repeat(ends - num_rows, num_rows)
+            logits_indices = first + np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping),
             query_start_loc=query_start.tolist(),

@@ -156,9 +156,11 @@ class ModelRunner:
         for i in spec:
             seq, d = items[i].seq, items[i].spec_token_ids
             drafts.append(d)
+            # Only penalties and an unmet min_tokens read the output; otherwise no per-row copies.
+            history = seq.params.has_penalties or seq.params.min_tokens > len(seq.output_token_ids)
             for j in range(len(d) + 1):
                 seqs.append(seq)
-                outputs.append(seq.output_token_ids + d[:j])
+                outputs.append(seq.output_token_ids + d[:j] if history else seq.output_token_ids)
         meta = self._sampling_metadata(seqs, outputs, logits.shape[-1])
         verified = self.rejection_sampler(logits[rows], meta, drafts, [items[i].seq.generator for i in spec],
                                           [items[i].spec_draft_probs for i in spec])

@@ -147,7 +147,8 @@ class DraftModelProposer:
         """Each row's guess, and for sampled requests the distribution it was drawn from."""
         meta = SamplingMetadata.build(
             params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids + d for s, d in zip(seqs, drafts)],
+            output_token_ids=[s.output_token_ids + d if s.params.has_penalties or s.params.min_tokens > len(
+                s.output_token_ids) else s.output_token_ids for s, d in zip(seqs, drafts)],
             generators=generators, eos_token_ids=self.eos_token_ids, vocab_size=logits.shape[-1])
         scores = apply_penalties(logits, meta)
         tokens = greedy(scores).tolist()

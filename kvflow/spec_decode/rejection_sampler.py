@@ -71,11 +71,12 @@ class RejectionSampler:
         scores = apply_penalties(logits, meta)
         targets = greedy(scores).tolist()
         random_pos: dict[int, int] = {}
-        filtered = None
+        filtered = probs = None
         if meta.random_rows is not None:
             random_pos = {row: i for i, row in enumerate(meta.random_rows.tolist())}
             filtered = filter_logits(scores[meta.random_rows], meta)
-            probs = filtered.softmax(dim=-1)  # once for the batch: small per-row ops cost more than the math
+            if draft_probs is not None and any(q is not None for q in draft_probs):
+                probs = filtered.softmax(dim=-1)  # once for the batch: small per-row ops cost more than the math
 
         results, emitted_rows, emitted_tokens = [], [], []
         offset = 0
@@ -85,7 +86,8 @@ class RejectionSampler:
                 start = random_pos[offset]
                 q = draft_probs[i] if draft_probs is not None else None
                 rows = slice(start, start + k + 1)
-                tokens = _verify_random(filtered[rows], probs[rows], drafts, q, generators[i])
+                tokens = _verify_random(filtered[rows], probs[rows] if q is not None else None, drafts, q,
+                                        generators[i])
             else:
                 tokens = _verify_greedy(targets[offset : offset + k + 1], drafts)
             results.append(VerifiedTokens(tokens, None, k, len(tokens) - 1))
@@ -116,7 +118,8 @@ def _verify_greedy(targets: list[int], drafts: list[int]) -> list[int]:
 
 
 def _verify_random(
-    x: torch.Tensor, p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator | None
+    x: torch.Tensor, p: torch.Tensor | None, drafts: list[int], q: torch.Tensor | None,
+    generator: torch.Generator | None,
 ) -> list[int]:
     """One sequence's k+1 rows of filtered target logits `x` (p = softmax(x)); q None: one-hot drafts."""
     k = len(drafts)

@@ -16,7 +16,7 @@ def test_defaults_match_vllm() -> None:
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (p.max_tokens, p.min_tokens) == (16, 0)
     assert p.stop == [] and p.stop_token_ids == []
-    assert p.ignore_eos is False and p.logprobs is None
+    assert p.ignore_eos is False and p.logprobs is None and p.prompt_logprobs is None
     assert p.skip_special_tokens is True and p.include_stop_str_in_output is False
     assert not p.is_greedy and not p.has_penalties
 
@@ -54,6 +54,10 @@ def test_normalisation() -> None:
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
         ({"stop": ""}, "stop"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop": 5}, "stop"),
@@ -81,6 +85,13 @@ def test_boundaries_accepted() -> None:
     SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2, frequency_penalty=2)
     SamplingParams(min_tokens=16, max_tokens=16, logprobs=0, seed=0)
     SamplingParams(logprobs=20, min_tokens=100, max_tokens=None)
+    SamplingParams(prompt_logprobs=0)
+    SamplingParams(prompt_logprobs=20, logprobs=0)
+
+
+def test_prompt_logprobs_message_format() -> None:
+    with pytest.raises(ValueError, match=re.escape("prompt_logprobs must be in [0, 20] or None, got 21")):
+        SamplingParams(prompt_logprobs=21)
 
 
 @pytest.mark.parametrize(("temperature", "greedy"), [(0.0, True), (1e-6, True), (1e-4, False), (0.7, False)])

@@ -40,3 +40,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     new_token_ids: list[int] = field(default_factory=list)  # produced by the step that returned this
     new_text: str = ""
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, else
+    # {token_id: logprob} with the prompt token and the top-k there (None when not asked).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # kvflow's addition: each prompt token's rank at its position (1 = most likely), None for the first.
+    prompt_token_ranks: list[int | None] | None = None

@@ -137,12 +137,12 @@ class KVCacheManager:
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of cached blocks covering the start of the sequence.
 
-        The last token is never served from the cache: the step must compute it to have
-        logits to sample from.
+        Only whole blocks within `seq.num_prefix_cacheable_tokens`: never the last token
+        (its logits are sampled), nor prompt positions whose prompt logprobs are still due.
         """
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = seq.num_prefix_cacheable_tokens // self.block_size
         bs, hits = self.block_size, []
         hashes = self._chain_hashes(seq, max_blocks)
         for i, h in enumerate(hashes[:max_blocks]):

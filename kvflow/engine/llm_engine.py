@@ -4,7 +4,8 @@
   speculator.propose()      (speculative decoding only) draft tokens for decoding sequences
   scheduler.schedule()      which sequences run, how many tokens each (token budget)
   runner.execute()          flat tensors -> model -> logits of the completing rows -> sampler
-                            (or the rejection sampler, for rows carrying drafts)
+                            (or the rejection sampler, for rows carrying drafts); prompt
+                            logprobs of the chunks of requests that asked, appended at once
   _append_tokens()          detokenize, check stop conditions token by token
   scheduler.update_after_step()   num_computed_tokens advanced past the kept tokens, rejected
                             drafts' blocks freed, full blocks published for reuse
@@ -225,7 +226,10 @@ class LLMEngine:
             self.speculator.preempted(sched.preempted)
         if sched.is_empty:
             return []
-        sampled = self.runner.execute(sched)
+        result = self.runner.execute(sched)
+        for entries in result.prompt_logprobs:  # before the outputs, which carry them
+            entries.append_to_sequence()
+        sampled = result.sampled
         now = time.time()
         advanced: list[_Request] = []
         stopped: list[tuple[_Request, SequenceStatus]] = []
@@ -336,6 +340,8 @@ class LLMEngine:
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             new_token_ids=req.new_token_ids,
             new_text=req.new_text,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            prompt_token_ranks=list(seq.prompt_token_ranks) if seq.params.prompt_logprobs is not None else None,
         )
 
     # ---- observability -----------------------------------------------------------------

@@ -10,6 +10,8 @@ builds, without per-token Python loops:
 Only those rows go through the LM head and the sampler. A speculating sequence's draft tokens
 follow its last token in the same row of the batch, like a short prefill chunk; its last
 1 + k positions are all sampled rows, and the rejection sampler decides which drafts stand.
+A request with prompt_logprobs also sends its chunk's prompt rows through the LM head, a
+slice at a time (`prompt_logprobs.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvflow.engine.sequence import Sequence
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
@@ -51,6 +54,15 @@ class SampledTokens:
     @property
     def num_rejected_tokens(self) -> int:
         return self.num_draft_tokens - self.num_accepted_tokens
+
+
+@dataclass
+class StepOutput:
+    """What one step computed: tokens of the sequences that completed their chunk, and new
+    prompt logprob entries of the sequences that asked for them (partial chunks included)."""
+
+    sampled: list[SampledTokens]
+    prompt_logprobs: list[PromptLogprobs]
 
 
 class ModelRunner:
@@ -122,15 +134,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
+    def execute(self, out: SchedulerOutput) -> StepOutput:
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        prompt_logprobs = compute_prompt_logprobs(hidden, out.scheduled, inputs.attn_metadata.query_start_loc,
+                                                  self.model.compute_logits)
         if not inputs.sampled:
-            return []
+            return StepOutput([], prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not any(it.spec_token_ids for it in inputs.sampled):
-            return self.sample(logits, [it.seq for it in inputs.sampled])
-        return self.sample_speculative(logits, inputs.sampled)
+            return StepOutput(self.sample(logits, [it.seq for it in inputs.sampled]), prompt_logprobs)
+        return StepOutput(self.sample_speculative(logits, inputs.sampled), prompt_logprobs)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
         meta = self._sampling_metadata(seqs, [s.output_token_ids for s in seqs], logits.shape[-1])

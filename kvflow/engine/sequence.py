@@ -53,6 +53,11 @@ class Sequence:
     # until verified. The scheduler takes them (maybe fewer) and leaves this empty.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [k, V] the proposer's distributions; None: one-hot
+    # SamplingParams.prompt_logprobs: entry i scores prompt token i under the model's
+    # distribution at position i - 1 (entry 0 is None); `prompt_token_ranks[i]` is that token's
+    # rank there. Filled chunk by chunk as the prompt is computed, each entry exactly once.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_token_ranks: list[int | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -69,6 +74,22 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_prefix_cacheable_tokens(self) -> int:
+        """How many leading tokens admission may serve from the prefix cache.
+
+        Never the last token: the step must compute it to have logits to sample from. A
+        request with prompt_logprobs needs the hidden state of every prompt position whose
+        entry it still lacks, and a cached position has none, so its lookup stops where its
+        entries stop: nothing at first admission (vLLM's rule: such requests skip the lookup,
+        though their blocks are still published for others), its scored prefix after a
+        preemption, and no limit once every prompt entry is in.
+        """
+        limit = self.num_tokens - 1
+        if self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+            limit = min(limit, max(len(self.prompt_logprobs) - 1, 0))
+        return limit
 
     @property
     def is_prefill(self) -> bool:

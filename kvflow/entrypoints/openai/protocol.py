@@ -57,6 +57,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     priority: int = 0
+    prompt_logprobs: int | None = None  # vLLM's extension: score the prompt's own tokens
 
     @property
     def include_usage(self) -> bool:
@@ -111,6 +112,9 @@ class SamplingRequest(OpenAIModel):
             "repetition_penalty": self.repetition_penalty,
         }
         chosen = {k: v if v is not None else defaults.get(k) for k, v in optional.items()}  # request > model
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:  # as vLLM
+            raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.",
+                                      param="prompt_logprobs")
         return SamplingParams(
             n=1 if self.n is None else self.n,
             seed=self.seed,
@@ -120,6 +124,7 @@ class SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=None if self.stream and self.prompt_logprobs == 0 else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             **{k: v for k, v in chosen.items() if v is not None},
@@ -216,12 +221,27 @@ class CompletionChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(OpenAIModel):
+    """One token's score at one prompt position, as vLLM's server sends its `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; None for the first
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for them: on the choice
+
+
 class CompletionResponse(OpenAIModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
 
 
@@ -259,6 +279,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for them in chat: the response
 
 
 class DeltaMessage(OpenAIModel):
@@ -357,3 +378,21 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], k: int
         content.append(ChatLogprobToken(token=token, logprob=entry.get(tid, -9999.0),
                                         bytes=list(token.encode("utf-8")), top_logprobs=tops))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], ranks: list[int | None],
+                    decode: TokenDecoder) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per position, None first.
+
+    The prompt token keeps the rank the engine measured (past the top-k when it is not among
+    them); the top-k are ranked by order. -inf becomes -9999.0, as vLLM sends it (JSON has no -inf).
+    """
+    out: PromptLogprobs = []
+    for tid, entry, rank in zip(token_ids, logprobs, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        order = {t: i + 1 for i, (t, _) in enumerate(sorted(entry.items(), key=lambda kv: kv[1], reverse=True))}
+        out.append({str(t): PromptLogprob(logprob=max(lp, -9999.0), rank=rank if t == tid else order[t],
+                                          decoded_token=decode(t)) for t, lp in entry.items()})
+    return out

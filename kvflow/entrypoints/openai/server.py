@@ -183,12 +183,17 @@ class OpenAIServer:
             ids, lps = ids[len(ids) - n:], lps[len(lps) - n:]
         return ids, lps
 
+    def prompt_logprobs(self, out: RequestOutput) -> p.PromptLogprobs | None:
+        if out.prompt_logprobs is None or out.prompt_token_ranks is None:
+            return None
+        return p.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, out.prompt_token_ranks, self.decode_token)
+
     # ---- /v1/completions ------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
         text, ids = self.tokenize_prompt(body.single_prompt())
         if body.echo and body.logprobs is not None:
-            raise p.InvalidRequestError("echo with logprobs is not supported (prompt logprobs are not computed)",
+            raise p.InvalidRequestError("echo with logprobs is not supported; prompt_logprobs scores the prompt",
                                         param="echo")
         params = self.sampling_params(body, len(ids))
         stream = await self.submit("cmpl", text, ids, params, body.priority)
@@ -202,8 +207,8 @@ class OpenAIServer:
         logprobs = None
         if params.logprobs is not None:
             logprobs = p.completion_logprobs(*self.logprob_args(out, False), params.logprobs, self.decode_token)
-        choice = p.CompletionChoice(text=echo + comp.text, logprobs=logprobs, finish_reason=comp.finish_reason,
-                                    stop_reason=comp.stop_reason)
+        choice = p.CompletionResponseChoice(text=echo + comp.text, logprobs=logprobs, finish_reason=comp.finish_reason,
+                                            stop_reason=comp.stop_reason, prompt_logprobs=self.prompt_logprobs(out))
         resp = p.CompletionResponse(id=stream.request_id, model=self.model_name, choices=[choice],
                                     usage=p.UsageInfo.of(len(ids), len(comp.token_ids)))
         return _json(resp)
@@ -257,7 +262,8 @@ class OpenAIServer:
         choice = p.ChatChoice(message=p.ChatResponseMessage(content=comp.text), logprobs=logprobs,
                               finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
         resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=[choice],
-                                        usage=p.UsageInfo.of(len(ids), len(comp.token_ids)))
+                                        usage=p.UsageInfo.of(len(ids), len(comp.token_ids)),
+                                        prompt_logprobs=self.prompt_logprobs(out))
         return _json(resp)
 
     async def _chat_events(self, stream: RequestStream, raw: Request, body: p.ChatCompletionRequest,

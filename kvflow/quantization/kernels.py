@@ -1,0 +1,56 @@
+"""y = x @ dequant(W)^T (+ bias) for a `QuantizedWeight`: kvflow's C++ kernel, or PyTorch.
+
+The C++ kernel (csrc/quant_gemm.cpp) reads the integers directly, which is the point: a
+decode step streams 1 or 0.5 bytes per weight instead of 2 or 4. It is batch invariant
+(a token's output does not depend on the rows beside it) and its AVX2 and portable paths
+give the same bits. The PyTorch path dequantizes the whole weight on every call: correct
+everywhere (another device, no compiler, KVFLOW_CPU_KERNELS=0), and slow.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.layers import cpu_kernels
+from kvflow.quantization.qweight import QuantizedWeight
+
+
+@functools.cache
+def _entry_point():
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return None
+    fn = kernels.lib.kvflow_quant_gemm
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def kernel_available() -> bool:
+    return _entry_point() is not None
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 portable: bool = False) -> torch.Tensor:
+    """`portable` forces the kernel's scalar path (tests compare it with the SIMD one)."""
+    fn = _entry_point()
+    if fn is None or x.device.type != "cpu" or x.dtype not in cpu_kernels.DTYPE_CODES:
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    offsets = weight.offsets.data_ptr() if weight.offsets is not None else None
+    rc = fn(cpu_kernels.DTYPE_CODES[x.dtype], rows.data_ptr(), rows.shape[0], weight.in_features, rows.stride(0),
+            weight.bits, weight.qweight.data_ptr(), weight.scales.data_ptr(), offsets, weight.group_size,
+            weight.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            int(portable))
+    cpu_kernels.check_rc(rc, "quant_gemm")
+    return out.view(*x.shape[:-1], weight.out_features)

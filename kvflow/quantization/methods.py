@@ -1,0 +1,53 @@
+"""Quantizing a float weight at load: int8 per channel, int4 per group with a zero point.
+
+Round-to-nearest over min/max ranges, as vLLM's and llama.cpp's on-the-fly modes do; the
+calibrated producers (GPTQ, AWQ) write checkpoints that the loader reads as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.quantization.qweight import INT4_BLOCK, QuantizedWeight
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8: scale = max|w| / 127 per output channel (or per group of inputs)."""
+    n, k = weight.shape
+    group = group_size or k
+    w = weight.detach().float().view(n, k // group, group)
+    scales = w.abs().amax(dim=-1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group stays zero
+    q = torch.round(w / scales.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(q.view(n, k).contiguous(), scales.contiguous(), None, 8, group, k, "int8")
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
+    """Asymmetric 4-bit per group: q in 0..15, w ~ scale * (q - zero). The range always holds
+    0, so a zero weight stays exactly zero."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    low = w.amin(dim=-1).clamp(max=0.0)
+    high = w.amax(dim=-1).clamp(min=0.0)
+    scales = (high - low) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    zeros = torch.round(-low / scales).clamp_(0, 15)
+    q = (torch.round(w / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight(pack_int4(q.view(n, k)), scales.contiguous(), (-scales * zeros).contiguous(), 4,
+                           group_size, k, "int4")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> [N, K/2] bytes in GGUF's nibble order (qweight.py)."""
+    n, k = q.shape
+    blocks = q.view(n, k // INT4_BLOCK, INT4_BLOCK)
+    low, high = blocks[..., : INT4_BLOCK // 2], blocks[..., INT4_BLOCK // 2 :]
+    return (low | (high << 4)).reshape(n, k // 2).contiguous()
+
+
+def quantize(weight: torch.Tensor, method: str, group_size: int | None) -> QuantizedWeight:
+    if method == "int8":
+        return quantize_int8(weight, group_size)
+    if method == "int4":
+        return quantize_int4(weight, group_size or 32)
+    raise ValueError(f"quantization: cannot quantize a float weight with {method!r} at load")

@@ -1,0 +1,87 @@
+"""`QuantizedWeight`: a linear layer's weight as small integers plus per-group scales.
+
+One record covers every weight-only format kvflow runs (csrc/quant_gemm.cpp):
+
+    w[n, k] = q[n, k] * scales[n, k // group_size] + offsets[n, k // group_size]
+
+- `bits=8`: `qweight` int8 [N, K]; symmetric, so no offsets (per-channel int8 is one group of
+  K; GGUF Q8_0 is groups of 32);
+- `bits=4`: `qweight` uint8 [N, K/2], two values 0..15 per byte in 32-input blocks of 16
+  bytes (byte j of a block: input j in the low nibble, input 16 + j in the high one), GGUF's
+  Q4_0/Q4_1 order; `offsets` carry the zero point (-scale * zero), Q4_0's -8d or Q4_1's min.
+
+Rows are independent, so fused projections (QKV, gate/up) are quantized shards stacked
+along N (`cat_rows`) and llama.cpp's q/k row permutation is undone by permuting rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_BLOCK = 32  # inputs per packed 4-bit block (16 bytes)
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: torch.Tensor  # int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4)
+    scales: torch.Tensor  # float32 [N, K / group_size]
+    offsets: torch.Tensor | None  # float32 [N, K / group_size], or None for zero
+    bits: int
+    group_size: int
+    in_features: int
+    source: str  # "int8", "int4", "gguf:Q4_1", ... (what made it, for logs and reports)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward pass streams for this weight (quants, scales and offsets)."""
+        extra = self.offsets.numel() * 4 if self.offsets is not None else 0
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + extra
+
+    def format(self) -> tuple:
+        """What must agree for two shards to be stacked into one weight."""
+        return (self.bits, self.group_size, self.in_features, self.offsets is not None)
+
+    def int_values(self) -> torch.Tensor:
+        """q as float32 [N, K] (4-bit values unpacked from GGUF's nibble order)."""
+        if self.bits == 8:
+            return self.qweight.float()
+        blocks = self.qweight.view(self.out_features, -1, INT4_BLOCK // 2)
+        low, high = blocks & 0x0F, blocks >> 4
+        return torch.cat([low, high], dim=-1).reshape(self.out_features, self.in_features).float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the kernel multiplies by: q * scale, then + offset, in float32 (two
+        roundings, as the kernel, gguf and the producers' own dequantization do)."""
+        groups = self.scales.shape[1]
+        q = self.int_values().view(self.out_features, groups, self.group_size)
+        w = q * self.scales.unsqueeze(-1)
+        if self.offsets is not None:
+            w = w + self.offsets.unsqueeze(-1)
+        return w.reshape(self.shape).to(dtype)
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The same weight with output rows reordered (`index` into rows)."""
+        return QuantizedWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(),
+                               None if self.offsets is None else self.offsets[index].contiguous(),
+                               self.bits, self.group_size, self.in_features, self.source)
+
+
+def cat_rows(shards: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack shards along the output dimension (a fused QKV or gate/up projection)."""
+    first = shards[0]
+    if any(s.format() != first.format() for s in shards):
+        raise ValueError("cannot stack quantized shards of different formats: "
+                         + ", ".join(s.source for s in shards))
+    offsets = None if first.offsets is None else torch.cat([s.offsets for s in shards])
+    return QuantizedWeight(torch.cat([s.qweight for s in shards]), torch.cat([s.scales for s in shards]), offsets,
+                           first.bits, first.group_size, first.in_features, first.source)

@@ -1,0 +1,34 @@
+"""GGUF blocks run as shipped: bit for bit gguf's own dequantization, on real files' tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kvflow.quantization.gguf import from_gguf_blocks
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_dequantize_bit_for_bit_like_gguf(kind):
+    qtype = GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).standard_normal((48, 128)).astype(np.float32)
+    raw = quantize(w, qtype)
+    qw = from_gguf_blocks(raw, qtype.value, (48, 128))
+    assert qw.source == f"gguf:{kind}" and qw.group_size == 32
+    assert torch.equal(qw.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(48, 128)))
+
+
+def test_default_models_q4_1_tensor(smollm2_gguf):
+    from kvflow.loader.gguf_loader import _header
+
+    info = next(t for t in _header(smollm2_gguf).tensors if t.name == "blk.0.ffn_down.weight")
+    assert GGMLQuantizationType(info.qtype).name == "Q4_1"
+    data = np.memmap(smollm2_gguf, dtype=np.uint8, mode="r")[info.offset : info.offset + info.nbytes]
+    qw = from_gguf_blocks(np.asarray(data), info.qtype, info.shape)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_1]
+    ref = dequantize(np.asarray(data).reshape(info.shape[0], -1), GGMLQuantizationType.Q4_1)
+    assert torch.equal(qw.dequantize(), torch.from_numpy(ref.reshape(info.shape)))
+    assert qw.nbytes < info.shape[0] * info.shape[1]  # 4 bits + scales: under a byte per weight

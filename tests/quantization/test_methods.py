@@ -1,0 +1,62 @@
+"""Quantizing float weights at load: error bounds, zeros, and the options' refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.quantization.config import QuantizationConfig
+from kvflow.quantization.methods import quantize_int4, quantize_int8
+from kvflow.quantization.qweight import cat_rows
+
+
+def test_int8_error_within_half_a_step():
+    w = torch.randn(64, 128)
+    qw = quantize_int8(w)
+    assert qw.qweight.dtype == torch.int8 and qw.scales.shape == (64, 1) and qw.offsets is None
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+
+
+def test_int4_error_within_half_a_step_and_zero_exact():
+    w = torch.randn(32, 256)
+    w[0] = 0.0
+    w[1, :32] = 0.5  # a constant positive group
+    qw = quantize_int4(w, 64)
+    assert qw.qweight.shape == (32, 128) and qw.scales.shape == (32, 4)
+    deq = qw.dequantize()
+    groups = w.view(32, 4, 64)
+    step = (groups.amax(-1).clamp(min=0) - groups.amin(-1).clamp(max=0)) / 15
+    assert ((deq - w).view(32, 4, 64).abs() <= step.unsqueeze(-1) / 2 + 1e-6).all()
+    assert torch.equal(deq[0], torch.zeros(256))
+    assert int(qw.int_values().max()) <= 15
+
+
+def test_shards_stack_along_outputs():
+    a, b = quantize_int4(torch.randn(8, 64)), quantize_int4(torch.randn(4, 64))
+    both = cat_rows([a, b])
+    assert both.shape == (12, 64)
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="different formats"):
+        cat_rows([a, quantize_int8(torch.randn(4, 64))])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("int3",), "quantization: 'int3' is not supported; choose one of none, int8, int4, gguf"),
+    (("int4", 48), "int4 groups are whole 32-input blocks"),
+    (("int8", 12), "int8 groups are multiples of 8"),
+    (("int4", 0), "must be an integer >= 8"),
+    (("gguf", 32), "does not apply to gguf"),
+    ((None, 32), "quantization_group_size is set but quantization is not"),
+])
+def test_bad_options_are_refused_by_name(args, message):
+    with pytest.raises(ValueError, match=message):
+        QuantizationConfig.parse(*args)
+
+
+def test_defaults():
+    assert QuantizationConfig.parse("int4").group_size == 32
+    assert QuantizationConfig.parse("int8").group_size is None
+    assert QuantizationConfig.parse(None) is None and QuantizationConfig.parse("none") is None
+    with pytest.raises(ValueError, match="layer mlp.down_proj has 160 inputs, which are not whole groups of 64"):
+        QuantizationConfig.parse("int4", 64).check_layer("mlp.down_proj", 160)

@@ -93,6 +93,12 @@ class ModelConfig:
         elem = torch.tensor([], dtype=dtype).element_size()
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * elem
 
+    def num_linear_parameters(self) -> int:
+        """Weights of the decoder layers' projections (what weight quantization applies to)."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return self.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
+
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (for memory plans made without weights)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -169,11 +175,18 @@ class EngineConfig:
     generation_config: str = "auto"
     # Speculative decoding (kvflow.spec_decode.SpeculativeConfig, a dict or its JSON); None: off.
     speculative_config: Any = None
+    # Weight quantization (kvflow.quantization.config): None (a GGUF file's own when dtype is
+    # "auto", else none), "none", "int8", "int4" or "gguf".
+    quantization: str | None = None
+    quantization_group_size: int | None = None  # int4: 32 by default; int8: per channel
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
+        from kvflow.quantization.config import QuantizationConfig
         from kvflow.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

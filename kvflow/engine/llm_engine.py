@@ -31,7 +31,7 @@ from kvflow.engine.model_runner import ModelRunner, SampledTokens
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.layers.attention import get_attn_backend
-from kvflow.loader import load_model, load_model_config, resolve_model_path
+from kvflow.loader import load_model, load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -93,6 +93,8 @@ class LLMEngine:
             from kvflow.spec_decode.draft_model import draft_model_config
 
             draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
+        self.quantization = resolve_quantization(path, config.quantization, config.quantization_group_size,
+                                                 config.quantize_lm_head, config.dtype)
         self.plan: KVCachePlan = plan_kv_cache(
             self.model_config,
             self.dtype,
@@ -101,9 +103,11 @@ class LLMEngine:
             kv_cache_memory=config.kv_cache_memory,
             memory_utilization=config.memory_utilization,
             draft=draft_cfg,
+            quantization=self.quantization,
         )
         attn_backend = get_attn_backend("cpu")
-        model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed)
+        model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed,
+                           self.quantization)
         self.tokenizer = self._load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)

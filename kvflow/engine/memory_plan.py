@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.config import ModelConfig
+from kvflow.quantization.config import QuantizationConfig
 
 # 512 MiB: 23,000 tokens of SmolLM2 in bf16 (2.8 sequences at its full 8,192 context, 32 at
 # W-offline's lengths with room to spare), and peak RSS on W-offline stays under 1.5 GB.
@@ -32,6 +33,7 @@ class KVCachePlan:
     # target's and comes out of the same budget.
     draft_bytes_per_token: int = 0
     draft_weight_bytes: int = 0
+    weight_format: str = "none"  # the linear layers' quantization (QuantizationConfig.describe)
 
     @property
     def bytes_per_block(self) -> int:
@@ -55,6 +57,7 @@ class KVCachePlan:
         rows = [
             ("dtype", str(self.dtype).removeprefix("torch.")),
             ("weights", _fmt_bytes(self.weight_bytes)),
+            ("quantization", self.weight_format),
             ("KV bytes per token", f"{self.bytes_per_token:,} B"),
             ("block size", f"{self.block_size} tokens ({_fmt_bytes(self.bytes_per_block)})"),
             ("KV cache", f"{_fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks:,} blocks = {self.num_tokens:,} tokens"),
@@ -98,13 +101,18 @@ def plan_kv_cache(
     memory_utilization: float | None = None,
     activation_bytes: int = 0,
     draft: ModelConfig | None = None,
+    quantization: QuantizationConfig | None = None,
 ) -> KVCachePlan:
     """`draft`: a speculative draft model, whose weights and KV cache (as many tokens as the
-    target's) come out of the same budget."""
+    target's) come out of the same budget. `quantization`: the linear weights' format (the
+    embedding and LM head stay in `dtype`; a quantized head is not counted as smaller)."""
     if kv_cache_memory is not None and memory_utilization is not None:
         raise ValueError("kv_cache_memory and memory_utilization: set one, not both")
     elem = torch.tensor([], dtype=dtype).element_size()
     weight_bytes = cfg.num_parameters() * elem
+    if quantization is not None:
+        linear = cfg.num_linear_parameters()
+        weight_bytes += int(linear * quantization.bytes_per_weight()) - linear * elem
     bytes_per_token = cfg.kv_bytes_per_token(dtype)
     draft_bpt = draft.kv_bytes_per_token(dtype) if draft is not None else 0
     draft_weights = draft.num_parameters() * elem if draft is not None else 0
@@ -123,7 +131,7 @@ def plan_kv_cache(
                          f"{draft_note}")
     num_blocks = budget // ((bytes_per_token + draft_bpt) * block_size)
     plan = KVCachePlan(dtype, block_size, bytes_per_token, num_blocks, max_model_len, weight_bytes, draft_bpt,
-                       draft_weights)
+                       draft_weights, quantization.describe() if quantization is not None else "none")
     if plan.num_tokens < max_model_len:
         need = one_sequence
         whose = " with the draft model's (speculative_config.model) beside it" if draft is not None else ""

@@ -44,6 +44,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="HF model directory, config.json, or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="weights: int8 (per channel), int4 (per group), gguf (a GGUF file's own Q8_0/Q4_0/Q4_1) "
+                        "or none; default: a GGUF file's own when --dtype is auto, else none")
+    g.add_argument("--quantization-group-size", type=int, default=None,
+                   help="inputs per scale: int4 32 (default), 64, 128...; int8 per channel unless given")
+    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: its dtype)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     mem = g.add_mutually_exclusive_group()
@@ -285,7 +291,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     from kvflow.config import resolve_dtype, resolve_max_model_len
     from kvflow.engine.memory_plan import plan_kv_cache
-    from kvflow.loader import load_model_config, resolve_model_path
+    from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
     from kvflow.spec_decode.config import SpeculativeConfig
 
     path = resolve_model_path(args.model)
@@ -298,8 +304,10 @@ def run_plan(args: argparse.Namespace) -> int:
         from kvflow.spec_decode.draft_model import draft_model_config
 
         draft = draft_model_config(spec, cfg, max_model_len)[1]
+    quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
+                                        args.quantize_lm_head, args.dtype)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
-                         memory_utilization=args.memory_utilization, draft=draft)
+                         memory_utilization=args.memory_utilization, draft=draft, quantization=quantization)
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
     print(plan.describe())
     return 0

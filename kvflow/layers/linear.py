@@ -10,6 +10,8 @@ product. `pack_linear_weights` packs each weight once, after the final dtype cas
   - otherwise oneDNN's prepacked weight (1.5-2x faster than `F.linear` at 1-32 rows; bf16
     results bit-identical to `F.linear`, float32 differing only in summation order);
   - the plain weight where neither applies (not the CPU, KVFLOW_PACKED_LINEAR=0).
+A quantized `Linear` (kvflow/quantization) holds a `QuantizedWeight` instead and runs the
+integer kernel; its plain weight is gone and packing leaves it alone.
 The plain weight is the source of truth for loading; once a whole model is packed,
 `pack_linear_weights` releases each plain weight no other module shares (the packed copy is
 all the forward pass reads), so the weights are held once, not twice.
@@ -27,6 +29,8 @@ from torch import nn
 
 from kvflow.layers import cpu_kernels
 from kvflow.layers.memory import empty_on_huge_pages, return_freed_heap
+from kvflow.quantization.kernels import quant_linear
+from kvflow.quantization.qweight import QuantizedWeight
 
 
 class Linear(nn.Linear):
@@ -34,7 +38,19 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None  # the bias in the packed GEMM's dtype (kvflow)
-    packing: str = "plain"  # "kvflow" | "onednn" | "plain"
+    packing: str = "plain"  # "kvflow" | "onednn" | "plain" | "quantized"
+    quant_weight: QuantizedWeight | None = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Run on `weight` from now on; the plain weight is released (a tied one is untied:
+        the module that shared it keeps it)."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight of shape {weight.shape} for a Linear of "
+                             f"{(self.out_features, self.in_features)}")
+        self.quant_weight, self.packing = weight, "quantized"
+        self.packed_weight = self.packed_bias = None
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
+                                   requires_grad=False)
 
     def kvflow_packed_shape(self) -> tuple[int, ...] | None:
         """The shape `pack()` will give this weight in kvflow's GEMM layout, or None when it
@@ -80,6 +96,8 @@ class Linear(nn.Linear):
                 pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:
+            return quant_linear(x, self.quant_weight, self.bias)
         if self.packing == "kvflow" and x.dtype == self.packed_weight.dtype:
             if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features:
                 return self._gemm(x)

@@ -8,8 +8,11 @@ whose weights are not on this machine.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -18,6 +21,12 @@ from kvflow.config import ModelConfig
 from kvflow.layers.attention import AttentionBackend
 from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
+from kvflow.quantization.apply import quantize_model
+from kvflow.quantization.config import QuantizationConfig
+from kvflow.quantization.gguf import SHIPPED_TYPES
+from kvflow.quantization.qweight import QuantizedWeight
+
+logger = logging.getLogger("kvflow")
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -57,7 +66,9 @@ def load_model_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf_config(_hf_dict(path))
 
 
-def iter_weights(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """HF-named weights; `keep_quantized` picks the GGUF weights that stay in their blocks."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if _is_gguf(path):
@@ -65,16 +76,45 @@ def iter_weights(path: str, load_format: str = "auto") -> Iterator[tuple[str, to
             raise ValueError(f"load_format: {load_format!r} does not apply to the GGUF file {path}")
         from kvflow.loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(path)
+        return iter_gguf_weights(path, keep_quantized)
     from kvflow.loader.safetensors_loader import iter_safetensors_weights
 
     return iter_safetensors_weights(path)
 
 
+def resolve_quantization(path: str, quantization: str | None, group_size: int | None = None,
+                         quantize_lm_head: bool = False, dtype: str | torch.dtype = "auto") -> QuantizationConfig | None:
+    """The quantization a model runs with: the options as given, or, left unset, a GGUF file's
+    own (when `dtype` is "auto": an explicit dtype asks for the weights in that dtype)."""
+    config = QuantizationConfig.parse(quantization, group_size, quantize_lm_head)
+    gguf_types = {}
+    if _is_gguf(path):
+        from kvflow.loader.gguf_loader import linear_weight_types
+
+        gguf_types = linear_weight_types(path)
+    shipped = sorted(kind for kind in gguf_types if kind in {name for name, _ in SHIPPED_TYPES.values()})
+    if config is not None and config.method == "gguf" and not shipped:
+        raise ValueError(f"quantization: gguf runs a GGUF file's {'/'.join(n for n, _ in SHIPPED_TYPES.values())} "
+                         f"weights as shipped, and {path} has none ({', '.join(gguf_types) or 'not a GGUF file'})")
+    if quantization is None and shipped:
+        if str(dtype) != "auto":
+            logger.info("%s: dtype=%s was given, so its %s weights are dequantized to it (--quantization gguf "
+                        "keeps them)", os.path.basename(path), dtype, "/".join(shipped))
+            return None
+        logger.info("%s: running its %s weights as shipped (quantization=gguf; --quantization none "
+                    "dequantizes them)", os.path.basename(path), "/".join(shipped))
+        config = QuantizationConfig.parse("gguf", None, quantize_lm_head)
+    if config is not None and config.method == "gguf":
+        return dataclasses.replace(config, gguf_type=max(shipped, key=lambda kind: gguf_types[kind]))
+    return config
+
+
 def load_model(
-    path: str, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend, load_format: str = "auto", seed: int = 0
+    path: str, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend, load_format: str = "auto", seed: int = 0,
+    quantization: QuantizationConfig | None = None,
 ) -> nn.Module:
-    """Build the model on the CPU in `dtype` and fill its weights (random ones for "dummy")."""
+    """Build the model on the CPU in `dtype` and fill its weights (random ones for "dummy"),
+    then quantize its linear layers as `quantization` says."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build parameters directly in the compute dtype: no fp32 copy of a big model
@@ -86,13 +126,24 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model)
     else:
-        model.load_weights(iter_weights(path, load_format))
+        keep = None
+        if quantization is not None and quantization.method == "gguf":
+            keep = functools.partial(_runs_quantized, lm_head=quantization.quantize_lm_head)
+        model.load_weights(iter_weights(path, load_format, keep))
     model.to(dtype)  # also casts the rotary tables once
     model.eval()
+    if quantization is not None:
+        formats = quantize_model(model, quantization)
+        logger.info("linear layers by weight format: %s", dict(formats))
     pack_linear_weights(model)
     if hasattr(model, "fuse_stack"):
         model.fuse_stack()
     return model
+
+
+def _runs_quantized(hf_name: str, lm_head: bool) -> bool:
+    """Linear weights (HF names end in `_proj.weight`), and the LM head when asked."""
+    return hf_name.endswith("_proj.weight") or (lm_head and hf_name == "lm_head.weight")
 
 
 @torch.no_grad()

@@ -16,12 +16,15 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+
+from kvflow.quantization.gguf import SHIPPED_TYPES, from_gguf_blocks
+from kvflow.quantization.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -288,28 +291,61 @@ def _dequantize(data: np.ndarray, info: _TensorInfo, path: str) -> np.ndarray:
     return out.reshape(info.shape)
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, fp32 CPU tensor) one tensor at a time, so peak memory is one tensor."""
+def iter_gguf_weights(
+    path: str, keep_quantized: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield (HF parameter name, weight) one tensor at a time, so peak memory is one tensor.
+
+    Weights are fp32 CPU tensors, except that a tensor whose HF name `keep_quantized` accepts
+    and which the file stores as Q8_0, Q4_0 or Q4_1 comes as a `QuantizedWeight` of its own
+    blocks (quantization/gguf.py). Other quantized types are dequantized, with a log line."""
     header = _header(path)
     arch = _architecture(header, path)
     heads, kv_heads = _head_counts(header.metadata, arch)
     # a plain ndarray view: gguf's row-group slicing is several times slower on np.memmap subclasses
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+    dequantized: dict[str, int] = {}
     for info in header.tensors:
         if info.name in _SKIPPED:
             continue
         hf_name = _hf_name(info.name)
         if hf_name is None:
             raise ValueError(f"model: {path}: GGUF tensor {info.name!r} has no Hugging Face counterpart")
+        n_head = heads if ".attn_q." in info.name else kv_heads if ".attn_k." in info.name else None
+        permuted = arch == "llama" and n_head is not None
+        if keep_quantized is not None and keep_quantized(hf_name):
+            if info.qtype in SHIPPED_TYPES and len(info.shape) == 2:
+                raw = data[info.offset : info.offset + info.nbytes]
+                weight = from_gguf_blocks(raw, info.qtype, info.shape)
+                if permuted:
+                    order = _unpermute_rows(np.arange(info.shape[0]), n_head)
+                    weight = weight.select_rows(torch.from_numpy(order))
+                yield hf_name, weight
+                continue
+            if info.qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                kind = GGMLQuantizationType(info.qtype).name
+                dequantized[kind] = dequantized.get(kind, 0) + 1
         w = _dequantize(data, info, path)
-        if arch == "llama" and ".attn_q." in info.name:
-            w = _unpermute_rows(w, heads)
-        elif arch == "llama" and ".attn_k." in info.name:
-            w = _unpermute_rows(w, kv_heads)
+        if permuted:
+            w = _unpermute_rows(w, n_head)
         w = np.ascontiguousarray(w, dtype=np.float32)
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only map: own a copy
             w = w.copy()
         yield hf_name, torch.from_numpy(w)
+    for kind, count in dequantized.items():
+        logger.warning("%s: %d weights stored as %s have no kvflow kernel; they were dequantized to run "
+                       "unquantized (kernels run %s as shipped)", path, count, kind,
+                       ", ".join(name for name, _ in SHIPPED_TYPES.values()))
+
+
+def linear_weight_types(path: str) -> dict[str, int]:
+    """How many 2-D weights (other than the embedding) the file stores in each type, e.g. {"Q4_1": 210}."""
+    counts: dict[str, int] = {}
+    for info in _header(path).tensors:
+        if len(info.shape) == 2 and info.name != "token_embd.weight":
+            kind = GGMLQuantizationType(info.qtype).name
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def load_gguf_tokenizer(path: str) -> Any:

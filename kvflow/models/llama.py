@@ -13,6 +13,7 @@ rows that are sampled.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -25,6 +26,9 @@ from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama_fused import FusedLlamaStack
+from kvflow.quantization.qweight import QuantizedWeight, cat_rows
+
+logger = logging.getLogger("kvflow")
 
 
 class LlamaAttention(nn.Module):
@@ -137,17 +141,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copy Hugging Face-named tensors in, folding q/k/v and gate/up into the fused params.
 
         Every parameter must be written exactly once (fused ones once per shard): a
-        checkpoint that misses one fails here, not with garbage output later.
+        checkpoint that misses one fails here, not with garbage output later. A linear
+        weight may come as a `QuantizedWeight` (a quantized checkpoint run as shipped): its
+        shards are stacked and the layer runs on them (see `_set_quantized`).
         """
         params = dict(self.named_parameters())
         expected: dict[str, int] = {}
         for name in params:
             expected[name] = 3 if ".qkv_proj.weight" in name or ".qkv_proj.bias" in name else 2 if "gate_up_proj" in name else 1
         seen: dict[str, int] = {}
+        quantized: dict[str, dict[int, QuantizedWeight]] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
@@ -169,13 +176,35 @@ class LlamaForCausalLM(nn.Module):
                 dst = param.data
             else:
                 dst = param.data.narrow(0, *self._shard_range(name, shard))
-            if dst.shape != tensor.shape:
+            if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(name, {})[shard or 0] = tensor
+            else:
+                dst.copy_(tensor)
             seen[name] = seen.get(name, 0) + 1
         missing = [n for n, count in expected.items() if seen.get(n, 0) < count]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        for name, shards in quantized.items():
+            self._set_quantized(name, shards, params[name])
+
+    def _set_quantized(self, name: str, shards: dict[int, QuantizedWeight], param: torch.Tensor) -> None:
+        """The layer runs on its stacked quantized shards; shards of different formats (a
+        file that mixes types within one fused projection) are dequantized instead."""
+        module = self.get_submodule(name.removesuffix(".weight"))
+        if not name.endswith(".weight") or not isinstance(module, Linear):
+            raise ValueError(f"checkpoint gives {name!r} quantized, but only linear weights can be")
+        ordered = [shards[i] for i in sorted(shards)]
+        if all(s.format() == ordered[0].format() for s in ordered):
+            module.set_quantized(cat_rows(ordered))
+            return
+        logger.warning("%s: its shards are quantized differently (%s); dequantized to %s", name,
+                       ", ".join(s.source for s in ordered), param.dtype)
+        offset = 0
+        for shard in ordered:
+            param.data.narrow(0, offset, shard.out_features).copy_(shard.dequantize(param.dtype))
+            offset += shard.out_features
 
     def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
         cfg = self.config

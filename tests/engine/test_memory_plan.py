@@ -79,3 +79,18 @@ def test_engine_start_up_log_agrees(caplog, tmp_path):
     assert plan.num_blocks == (64 << 20) // (plan.bytes_per_token * 16) == llm.engine.kv_cache_manager.num_blocks
     assert plan.describe() in caplog.text
     assert llm.engine.runner.kv_caches[0].shape == (2, plan.num_blocks, 16, 3, 64)
+
+
+@pytest.mark.parametrize("method, group, bytes_per_weight", [("int8", None, 1.0), ("int4", 32, 0.75), ("int4", 128, 0.5625)])
+def test_quantized_weights_are_planned_smaller(method, group, bytes_per_weight):
+    from kvflow.quantization.config import QuantizationConfig
+
+    cfg = ModelConfig.from_hf_config(SMOLLM2)
+    plain = plan_kv_cache(cfg, torch.bfloat16, 16, 8192, memory_utilization=0.1)
+    quant = QuantizationConfig.parse(method, group)
+    plan = plan_kv_cache(cfg, torch.bfloat16, 16, 8192, memory_utilization=0.1, quantization=quant)
+    linear = cfg.num_linear_parameters()
+    assert linear == 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
+    assert plan.weight_bytes == plain.weight_bytes - 2 * linear + int(linear * bytes_per_weight)
+    assert plan.num_blocks > plain.num_blocks  # the bytes saved go to the KV cache
+    assert f"quantization        {quant.describe()}" in plan.describe()

@@ -1,0 +1,48 @@
+"""Quantizing a loaded model's linear layers at load time (int8, int4).
+
+Runs after the weights are loaded and before they are packed: each `Linear` but the LM head
+(unless `quantize_lm_head`) trades its float weight for a `QuantizedWeight`. Layers a GGUF
+file shipped quantized already hold theirs and are left as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from torch import nn
+
+from kvflow.layers.linear import Linear
+from kvflow.layers.memory import return_freed_heap
+from kvflow.quantization.config import QuantizationConfig
+from kvflow.quantization.methods import quantize
+
+logger = logging.getLogger("kvflow")
+
+
+def quantize_model(model: nn.Module, config: QuantizationConfig) -> Counter:
+    """Quantize every eligible `Linear`; returns how many layers run on each format."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    for name, module in linears:
+        if module.quant_weight is None and _eligible(name, config) and config.method != "gguf":
+            config.check_layer(name, module.in_features)
+    for name, module in linears:
+        if module.quant_weight is not None or not _eligible(name, config):
+            continue
+        if config.method == "gguf":
+            logger.info("quantization=gguf: %s was not quantized in the file; it runs in %s",
+                        name, module.weight.dtype)
+            continue
+        module.set_quantized(quantize(module.weight.detach(), config.method, config.group_size))
+    return_freed_heap()
+    return summarize(model)
+
+
+def summarize(model: nn.Module) -> Counter:
+    """Layers per weight format, e.g. {"gguf:Q4_1": 210, "torch.bfloat16": 1}."""
+    return Counter(m.quant_weight.source if m.quant_weight is not None else str(m.weight.dtype)
+                   for m in model.modules() if isinstance(m, Linear))
+
+
+def _eligible(name: str, config: QuantizationConfig) -> bool:
+    return config.quantize_lm_head or name.rsplit(".", 1)[-1] != "lm_head"

@@ -132,7 +132,8 @@ class LLMEngine:
                     draft_path, draft_cfg, self.plan, self.dtype, attn_backend, self.eos_token_ids, config.seed,
                     target_vocab=self.tokenizer.get_vocab() if self.tokenizer is not None else None,
                     draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
-                    max_catch_up_tokens=config.max_num_batched_tokens)
+                    max_catch_up_tokens=config.max_num_batched_tokens,
+                    quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype))
             self.speculator = Speculator(spec, self.max_model_len, draft)
         self._requests: dict[str, _Request] = {}
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token

@@ -29,7 +29,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # draft_model: a smaller model with the target's vocabulary (HF directory or GGUF file).
     model: str | None = None
-    quantization: str | None = None  # the draft runs in the target's dtype
+    # The draft's weight quantization (int8, int4, gguf, none; kvflow.quantization): with
+    # `model` set to the target's own path, "int4" is the quantized self-draft.
+    quantization: str | None = None
     # Speculation is off for every sequence while more than this many requests are
     # unfinished: a full batch is compute-bound and verifying guesses only slows it down.
     disable_by_batch_size: int | None = 4
@@ -87,14 +89,18 @@ class SpeculativeConfig:
         elif self.model is not None or self.quantization is not None:
             raise ValueError(f"speculative_config.model: only method 'draft_model' takes a model, not {self.method!r}")
         if self.quantization is not None:
-            raise ValueError(f"speculative_config.quantization: {self.quantization!r} is not available: kvflow "
-                             "has no weight quantization yet (the quantized self-draft waits for it)")
+            from kvflow.quantization.config import QuantizationConfig
+
+            try:
+                QuantizationConfig.parse(self.quantization)
+            except ValueError as e:
+                raise ValueError(f"speculative_config.{e}") from None
 
     def describe(self) -> str:
         if self.method == "ngram":
             what = f"ngram prompt lookup, {self.prompt_lookup_min}..{self.prompt_lookup_max}-grams"
         else:
-            what = f"draft model {self.model}"
+            what = f"draft model {self.model}" + (f" ({self.quantization})" if self.quantization else "")
         batch = "never" if self.disable_by_batch_size is None else f"above {self.disable_by_batch_size} unfinished requests"
         return (f"speculative decoding: {what}, {self.num_speculative_tokens} tokens per step; off {batch}, "
                 f"and for a sequence accepting under {self.min_mean_accepted} tokens per step")

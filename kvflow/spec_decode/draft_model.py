@@ -29,6 +29,7 @@ from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_runner import ModelRunner
 from kvflow.layers.attention import AttentionBackend
 from kvflow.loader import load_model, load_model_config, resolve_model_path
+from kvflow.quantization.config import QuantizationConfig
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvflow.sampling.sampler import SamplingMetadata, apply_penalties, exponential_race, filter_logits, greedy
 
@@ -188,13 +189,15 @@ def draft_model_config(config: "SpeculativeConfig", target: ModelConfig, max_mod
 def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: torch.dtype,
                         attn_backend: AttentionBackend, eos_token_ids: list[int], seed: int = 0,
                         target_vocab: dict[str, int] | None = None, draft_vocab: dict[str, int] | None = None,
-                        max_catch_up_tokens: int = 2048) -> DraftModelProposer:
-    """Load the draft's weights and give it a KV pool as large (in tokens) as the target's."""
+                        max_catch_up_tokens: int = 2048, quantization: QuantizationConfig | None = None
+                        ) -> DraftModelProposer:
+    """Load the draft's weights (quantized as `quantization` says) and give it a KV pool as
+    large (in tokens) as the target's."""
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
         differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
         raise ValueError(f"speculative_config.model: the draft's tokenizer maps tokens differently from the "
                          f"target's (e.g. {differ}); a draft must share the target's tokenizer")
-    model = load_model(path, cfg, dtype, attn_backend, "auto", seed)
+    model = load_model(path, cfg, dtype, attn_backend, "auto", seed, quantization)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
     runner = ModelRunner(model, attn_backend, cfg, kv, dtype, eos_token_ids)
     return DraftModelProposer(model, runner, kv, eos_token_ids, max_catch_up_tokens)

@@ -110,3 +110,23 @@ def test_plan_reports_the_draft(target, draft, capsys):
                  "--speculative-config", json.dumps(_spec(draft))]) == 0
     out = capsys.readouterr().out
     assert "draft weights" in out and "draft KV cache" in out
+
+
+def test_quantized_self_draft(target):
+    """The target's own weights in int4 as the draft: greedy output as without speculation,
+    and the draft agrees with its full-precision self most of the time."""
+    plain = _run(LLM(target, dtype="float32", kv_cache_memory=1 << 20))
+    spec = {**_spec(target), "quantization": "int4"}
+    llm = LLM(target, dtype="float32", kv_cache_memory=1 << 20, speculative_config=spec)
+    draft_model = llm.engine.speculator.draft.runner.model
+    assert draft_model.layers[0].mlp.down_proj.quant_weight.source == "int4"
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.quant_weight is None
+    assert [t for t, _ in _run(llm)] == [t for t, _ in plain]
+    stats = llm.engine.get_stats().spec_decode
+    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
+
+
+def test_draft_quantization_refused_by_name():
+    with pytest.raises(ValueError, match="speculative_config.quantization: 'int5' is not supported"):
+        LLM(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
+                                "quantization": "int5"})

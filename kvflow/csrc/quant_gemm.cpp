@@ -189,6 +189,56 @@ void dot_rows_avx2(const float* const* xs, const float* tile, int64_t cols, int6
     if (c < cols) dot_block_avx2_one<R>(xs, tile + c * k, k, out + c, cols);
 }
 
+// Decode (1-2 rows): NC = 4 whole output rows of W are dequantized in registers and
+// multiplied at once, never stored. Each output is still one 8-lane FMA chain over k of the
+// same rounded weights, so it is bit-identical to the tile path (batch invariance across the
+// two paths); the four outputs' chains interleave, so FMA latency overlaps.
+template <int R>
+void fused_rows_avx2(const float* const* xs, const QuantWeight& w, int64_t n0, float* out) {
+    __m256 acc[R][NC];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    const int64_t groups = w.groups();
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256 scale[NC], offset[NC];
+        for (int c = 0; c < NC; ++c) {
+            scale[c] = _mm256_set1_ps(w.scales[(n0 + c) * groups + g]);
+            offset[c] = _mm256_set1_ps(w.offsets ? w.offsets[(n0 + c) * groups + g] : 0.f);
+        }
+        const int64_t k0 = g * w.group, k1 = k0 + w.group;
+        if (w.bits == 8) {
+            const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + n0 * w.k;
+            for (int64_t i = k0; i < k1; i += LANES) {
+                for (int c = 0; c < NC; ++c) {
+                    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c * w.k + i));
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                    const __m256 wv = _mm256_add_ps(_mm256_mul_ps(v, scale[c]), offset[c]);
+                    for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r] + i), wv, acc[r][c]);
+                }
+            }
+            continue;
+        }
+        const uint8_t* q = w.q + n0 * (w.k / 2);
+        for (int64_t i = k0; i < k1; i += 32) {
+            for (int c = 0; c < NC; ++c) {
+                const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * (w.k / 2) + i / 2));
+                const __m128i lo = _mm_and_si128(bytes, low_nibbles);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int p = 0; p < 4; ++p) {
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+                    const __m256 wv = _mm256_add_ps(_mm256_mul_ps(v, scale[c]), offset[c]);
+                    for (int r = 0; r < R; ++r)
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r] + i + p * 8), wv, acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) out[r * NC + c] = reduce8(acc[r][c]);
+}
+
 void dot_avx2(const float* const* xs, int64_t rows, const float* tile, int64_t cols, int64_t k, float* out) {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) dot_rows_avx2<4>(xs + r, tile, cols, k, out + r * cols);
@@ -228,6 +278,18 @@ int quant_gemm(const T* x, int64_t m, int64_t k, int64_t x_stride, const QuantWe
         for (int64_t b = 0; b < blocks; ++b) {
             if (tile == nullptr || part == nullptr) continue;
             const int64_t n0 = b * NC, cols = std::min(NC, n - n0);
+#if defined(KVFLOW_QUANT_AVX2)
+            if (!portable && m <= 2 && cols == NC) {
+                if (m == 2)
+                    fused_rows_avx2<2>(rows.data(), w, n0, part);
+                else
+                    fused_rows_avx2<1>(rows.data(), w, n0, part);
+                for (int64_t r = 0; r < m; ++r)
+                    for (int64_t c = 0; c < cols; ++c)
+                        y[r * y_stride + n0 + c] = IO::store(part[r * cols + c] + (bias ? bias[n0 + c] : 0.f));
+                continue;
+            }
+#endif
             for (int64_t c = 0; c < cols; ++c) {
 #if defined(KVFLOW_QUANT_AVX2)
                 if (!portable) {
@@ -277,6 +339,7 @@ int kvflow_quant_gemm(int dtype, const void* x, int64_t m, int64_t k, int64_t x_
     if ((bits != 8 && bits != 4) || group <= 0 || k % group != 0 || k % LANES != 0 || group % LANES != 0 ||
         (bits == 4 && (group % 32 != 0 || k % 32 != 0)))
         return -1;
+    if (m == 0) return 0;
     const QuantWeight w{bits, q, scales, offsets, group, k};
     if (dtype == 0)
         return quant_gemm(static_cast<const float*>(x), m, k, x_stride, w, n, bias, static_cast<float*>(y), y_stride,

@@ -315,10 +315,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,prefix,latency,speculative,serve,roofline}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import latency, prefix, roofline, serve, speculative, throughput
+    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,roofline}`; each module defers its heavy imports to its run()."""
+    from kvflow.bench import latency, prefix, quality, roofline, serve, speculative, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, serve, roofline")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, roofline")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -326,6 +326,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("prefix", prefix, "W-prefix: a shared system prompt, prefix caching off vs on in one run", True),
         ("latency", latency, "one request at a time: TTFT and inter-token latency (W-latency)", True),
         ("speculative", speculative, "the same requests with and without --speculative-config, in one run", True),
+        ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
     ]

@@ -152,41 +152,29 @@ inline float reduce8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
-// Up to 4 rows x 2 tile rows per register block (8 accumulators, 4 x loads).
-template <int R>
-void dot_block_avx2(const float* const* xs, const float* w0, const float* w1, int64_t k, float* out, int64_t cols) {
-    __m256 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+// R rows of x by C tile rows per register block: R * C accumulators plus R x vectors in the
+// 16 AVX2 registers (3 x 4 = 12 + 3); the tile's loads are memory operands of the FMAs.
+template <int R, int C>
+void dot_block_avx2(const float* const* xs, const float* tile, int64_t k, float* out, int64_t cols) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += LANES) {
-        const __m256 a = _mm256_loadu_ps(w0 + i), b = _mm256_loadu_ps(w1 + i);
-        for (int r = 0; r < R; ++r) {
-            const __m256 x = _mm256_loadu_ps(xs[r] + i);
-            acc0[r] = _mm256_fmadd_ps(x, a, acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(x, b, acc1[r]);
+        __m256 x[R];
+        for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(xs[r] + i);
+        for (int c = 0; c < C; ++c) {
+            const __m256 wv = _mm256_loadu_ps(tile + c * k + i);
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(x[r], wv, acc[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        out[r * cols] = reduce8(acc0[r]);
-        out[r * cols + 1] = reduce8(acc1[r]);
-    }
-}
-
-template <int R>
-void dot_block_avx2_one(const float* const* xs, const float* w0, int64_t k, float* out, int64_t cols) {
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += LANES) {
-        const __m256 a = _mm256_loadu_ps(w0 + i);
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r] + i), a, acc[r]);
-    }
-    for (int r = 0; r < R; ++r) out[r * cols] = reduce8(acc[r]);
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[r * cols + c] = reduce8(acc[r][c]);
 }
 
 template <int R>
 void dot_rows_avx2(const float* const* xs, const float* tile, int64_t cols, int64_t k, float* out) {
-    int64_t c = 0;
-    for (; c + 2 <= cols; c += 2) dot_block_avx2<R>(xs, tile + c * k, tile + (c + 1) * k, k, out + c, cols);
-    if (c < cols) dot_block_avx2_one<R>(xs, tile + c * k, k, out + c, cols);
+    if (cols == 4) return dot_block_avx2<R, 4>(xs, tile, k, out, cols);
+    for (int64_t c = 0; c < cols; ++c) dot_block_avx2<R, 1>(xs, tile + c * k, k, out + c, cols);
 }
 
 // Decode (1-2 rows): NC = 4 whole output rows of W are dequantized in registers and
@@ -241,8 +229,9 @@ void fused_rows_avx2(const float* const* xs, const QuantWeight& w, int64_t n0, f
 
 void dot_avx2(const float* const* xs, int64_t rows, const float* tile, int64_t cols, int64_t k, float* out) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) dot_rows_avx2<4>(xs + r, tile, cols, k, out + r * cols);
-    for (; r < rows; ++r) dot_rows_avx2<1>(xs + r, tile, cols, k, out + r * cols);
+    for (; r + 3 <= rows; r += 3) dot_rows_avx2<3>(xs + r, tile, cols, k, out + r * cols);
+    if (rows - r == 2) dot_rows_avx2<2>(xs + r, tile, cols, k, out + r * cols);
+    if (rows - r == 1) dot_rows_avx2<1>(xs + r, tile, cols, k, out + r * cols);
 }
 #endif
 

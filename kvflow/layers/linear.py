@@ -29,7 +29,7 @@ from torch import nn
 
 from kvflow.layers import cpu_kernels
 from kvflow.layers.memory import empty_on_huge_pages, return_freed_heap
-from kvflow.quantization.kernels import quant_linear
+from kvflow.quantization import kernels as quant_kernels
 from kvflow.quantization.qweight import QuantizedWeight
 
 
@@ -49,6 +49,7 @@ class Linear(nn.Linear):
                              f"{(self.out_features, self.in_features)}")
         self.quant_weight, self.packing = weight, "quantized"
         self.packed_weight = self.packed_bias = None
+        self._quant_op = None  # bound on the first call, once the bias has its final dtype
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
                                    requires_grad=False)
 
@@ -97,7 +98,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:
-            return quant_linear(x, self.quant_weight, self.bias)
+            if self._quant_op is None:
+                self._quant_op = quant_kernels.prepare(self.quant_weight, self.bias)
+            return self._quant_op(x)
         if self.packing == "kvflow" and x.dtype == self.packed_weight.dtype:
             if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features:
                 return self._gemm(x)

@@ -9,7 +9,6 @@ whose weights are not on this machine.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from typing import Callable, Iterator
@@ -128,7 +127,7 @@ def load_model(
     else:
         keep = None
         if quantization is not None and quantization.method == "gguf":
-            keep = functools.partial(_runs_quantized, lm_head=quantization.quantize_lm_head)
+            keep = _runs_gguf_blocks
         model.load_weights(iter_weights(path, load_format, keep))
     model.to(dtype)  # also casts the rotary tables once
     model.eval()
@@ -141,9 +140,10 @@ def load_model(
     return model
 
 
-def _runs_quantized(hf_name: str, lm_head: bool) -> bool:
-    """Linear weights (HF names end in `_proj.weight`), and the LM head when asked."""
-    return hf_name.endswith("_proj.weight") or (lm_head and hf_name == "lm_head.weight")
+def _runs_gguf_blocks(hf_name: str) -> bool:
+    """Linear weights (HF names end in `_proj.weight`) and the LM head (its own tensor, or the
+    embedding's when tied): as shipped, all of them. The embedding lookup reads a float table."""
+    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
 
 
 @torch.no_grad()

@@ -305,6 +305,7 @@ def iter_gguf_weights(
     # a plain ndarray view: gguf's row-group slicing is several times slower on np.memmap subclasses
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     dequantized: dict[str, int] = {}
+    tied_head = not any(t.name == "output.weight" for t in header.tensors)
     for info in header.tensors:
         if info.name in _SKIPPED:
             continue
@@ -325,6 +326,11 @@ def iter_gguf_weights(
             if info.qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
                 kind = GGMLQuantizationType(info.qtype).name
                 dequantized[kind] = dequantized.get(kind, 0) + 1
+        if (hf_name == "model.embed_tokens.weight" and tied_head and keep_quantized is not None
+                and keep_quantized("lm_head.weight") and info.qtype in SHIPPED_TYPES):
+            # The tied LM head multiplies by the embedding table: as shipped, its own blocks
+            # (the lookup below still gets the table, dequantized).
+            yield "lm_head.weight", from_gguf_blocks(data[info.offset : info.offset + info.nbytes], info.qtype, info.shape)
         w = _dequantize(data, info, path)
         if permuted:
             w = _unpermute_rows(w, n_head)

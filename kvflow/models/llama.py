@@ -160,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                if isinstance(tensor, QuantizedWeight):  # the embedding's own quantized blocks
+                    quantized[name] = {0: tensor}
                 continue  # tied: the embedding serves as the head
             shard = None
             for part, (fused, idx) in self._STACKED.items():
@@ -187,14 +189,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         for name, shards in quantized.items():
-            self._set_quantized(name, shards, params[name])
+            self._set_quantized(name, shards)
 
-    def _set_quantized(self, name: str, shards: dict[int, QuantizedWeight], param: torch.Tensor) -> None:
+    def _set_quantized(self, name: str, shards: dict[int, QuantizedWeight]) -> None:
         """The layer runs on its stacked quantized shards; shards of different formats (a
         file that mixes types within one fused projection) are dequantized instead."""
         module = self.get_submodule(name.removesuffix(".weight"))
         if not name.endswith(".weight") or not isinstance(module, Linear):
             raise ValueError(f"checkpoint gives {name!r} quantized, but only linear weights can be")
+        param = module.weight
         ordered = [shards[i] for i in sorted(shards)]
         if all(s.format() == ordered[0].format() for s in ordered):
             module.set_quantized(cat_rows(ordered))

@@ -5,6 +5,7 @@ summation order differs, so the tie rule of conftest applies), batched or chunke
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.loader import resolve_quantization
@@ -22,8 +23,9 @@ def shipped(smollm2_gguf):
 def test_runs_on_the_files_own_blocks(shipped):
     model = shipped.engine.runner.model
     sources = {m.quant_weight.source for m in model.modules() if getattr(m, "quant_weight", None) is not None}
-    assert sources == {"gguf:Q4_1"}
-    assert model.lm_head.quant_weight is None  # the tied Q8_0 embedding stays the head, in fp32
+    assert sources == {"gguf:Q4_1", "gguf:Q8_0"}
+    assert model.lm_head.quant_weight.source == "gguf:Q8_0"  # the tied embedding's own blocks
+    assert model.embed_tokens.weight.dtype == torch.float32  # the lookup reads the table
 
 
 def test_reference_prompts_match_transformers(shipped, reference):

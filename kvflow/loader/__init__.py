@@ -8,6 +8,7 @@ whose weights are not on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -118,7 +119,7 @@ def load_model(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build parameters directly in the compute dtype: no fp32 copy of a big model
     try:
-        with torch.device("cpu"):
+        with torch.device("cpu"), _no_weight_init():
             model = build_model(cfg, backend)
     finally:
         torch.set_default_dtype(previous)
@@ -138,6 +139,20 @@ def load_model(
     if hasattr(model, "fuse_stack"):
         model.fuse_stack()
     return model
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Leave linear and embedding weights unwritten while the model is built: every one is
+    written by the loader (or `_init_dummy`) anyway, and a weight that a quantized checkpoint
+    replaces is then never touched, so its pages never become resident (the float copy of a
+    GGUF model's linears would otherwise set peak RSS)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def _runs_gguf_blocks(hf_name: str) -> bool:

@@ -23,18 +23,17 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
-    """Asymmetric 4-bit per group: q in 0..15, w ~ scale * (q - zero). The range always holds
-    0, so a zero weight stays exactly zero."""
+    """Asymmetric 4-bit per group over the group's own range: q in 0..15, w ~ scale * q + min
+    (llama.cpp's Q4_1 scheme, a float zero point). Unlike an integer zero point whose range
+    must hold 0, every one of the 16 levels lands inside the group's values; a group already on
+    such a grid (a Q4_1 block) comes back exactly."""
     n, k = weight.shape
     w = weight.detach().float().view(n, k // group_size, group_size)
-    low = w.amin(dim=-1).clamp(max=0.0)
-    high = w.amax(dim=-1).clamp(min=0.0)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
     scales = (high - low) / 15.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    zeros = torch.round(-low / scales).clamp_(0, 15)
-    q = (torch.round(w / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
-    return QuantizedWeight(pack_int4(q.view(n, k)), scales.contiguous(), (-scales * zeros).contiguous(), 4,
-                           group_size, k, "int4")
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 0, w = min
+    q = torch.round((w - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight(pack_int4(q.view(n, k)), scales.contiguous(), low.contiguous(), 4, group_size, k, "int4")
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -18,18 +18,27 @@ def test_int8_error_within_half_a_step():
     assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-7).all()
 
 
-def test_int4_error_within_half_a_step_and_zero_exact():
+def test_int4_error_within_half_a_step():
     w = torch.randn(32, 256)
     w[0] = 0.0
-    w[1, :32] = 0.5  # a constant positive group
+    w[1, :64] = 0.5  # a constant positive group
     qw = quantize_int4(w, 64)
     assert qw.qweight.shape == (32, 128) and qw.scales.shape == (32, 4)
     deq = qw.dequantize()
     groups = w.view(32, 4, 64)
-    step = (groups.amax(-1).clamp(min=0) - groups.amin(-1).clamp(max=0)) / 15
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
     assert ((deq - w).view(32, 4, 64).abs() <= step.unsqueeze(-1) / 2 + 1e-6).all()
-    assert torch.equal(deq[0], torch.zeros(256))
+    assert torch.equal(deq[0], torch.zeros(256)) and torch.equal(deq[1, :64], torch.full((64,), 0.5))
     assert int(qw.int_values().max()) <= 15
+
+
+def test_int4_reproduces_a_q4_1_grid_exactly():
+    """A group already on 16 evenly spaced levels (what a GGUF Q4_1 block holds) is kept as is."""
+    d, m = torch.tensor(0.0125), torch.tensor(-0.1)
+    q = torch.randint(0, 16, (8, 32))
+    q[:, 0], q[:, 1] = 0, 15  # both ends present
+    w = q.float() * d + m
+    assert torch.equal(quantize_int4(w, 32).dequantize(), w)
 
 
 def test_shards_stack_along_outputs():

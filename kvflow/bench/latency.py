@@ -20,6 +20,7 @@ import numpy as np
 
 from kvflow.bench.datasets import fit_token_range, grounded_requests
 from kvflow.bench.metrics import Percentiles, percentiles, request_latency
+from kvflow.bench.results import numerics_label
 
 WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
@@ -130,7 +131,7 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
     spec0 = engine.get_stats().spec_decode
     iterations = [time_one_request(engine, f"latency-{i}", p, args.output_len) for i, p in enumerate(timed)]
     result = LatencyResult(
-        dtype=str(engine.dtype).removeprefix("torch."), output_len=args.output_len,
+        dtype=numerics_label(engine), output_len=args.output_len,
         input_len=args.input_len if args.dataset == "random" else round(sum(map(len, timed)) / len(timed)),
         num_threads=torch.get_num_threads(), iterations=iterations,
         ttft=percentiles(it.ttft_s for it in iterations), itl=percentiles(it.mean_itl_s for it in iterations),

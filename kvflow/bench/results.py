@@ -41,6 +41,14 @@ class ThroughputResult:
         ) + spec
 
 
+def numerics_label(engine) -> str:
+    """The activations' dtype, and the weights' quantization when there is one: what a
+    result was measured with (e.g. "float32, weights gguf (Q4_1, as shipped)")."""
+    label = str(engine.dtype).removeprefix("torch.")
+    weights = engine.plan.weight_format
+    return label if weights == "none" else f"{label}, weights {weights}"
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 

@@ -24,7 +24,7 @@ import numpy as np
 from kvflow.bench.datasets import (BenchRequest, fit_token_range, grounded_requests, jsonl_requests, prefix_requests,
                                    random_requests)
 from kvflow.bench.hf_baseline import run_baseline
-from kvflow.bench.results import ThroughputResult, current_rss_mb, peak_rss_mb
+from kvflow.bench.results import ThroughputResult, current_rss_mb, numerics_label, peak_rss_mb
 
 WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
@@ -61,7 +61,7 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
     output = sum(r.output_len for r in requests)
     return ThroughputResult(
         engine=label,
-        dtype=str(engine.dtype).removeprefix("torch."),
+        dtype=numerics_label(engine),
         num_requests=len(requests),
         prompt_tokens=prompt,
         output_tokens=output,

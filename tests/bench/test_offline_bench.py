@@ -30,6 +30,12 @@ def _load(path) -> dict:
         return json.load(f)
 
 
+def test_quantized_run_says_its_weights(tiny, tmp_path):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", tiny, *ENGINE, "-q", "int4", *SMALL, "--output", str(out)]) == 0
+    assert _load(out)["result"]["dtype"] == "float32, weights int4 (groups of 32)"
+
+
 def test_throughput_alone(tiny, tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--model", tiny, *ENGINE, *SMALL, "--output", str(out)]) == 0

@@ -2,7 +2,8 @@
 
 Runs after the weights are loaded and before they are packed: each `Linear` but the LM head
 (unless `quantize_lm_head`) trades its float weight for a `QuantizedWeight`. Layers a GGUF
-file shipped quantized already hold theirs and are left as they are.
+file or a compressed-tensors checkpoint shipped quantized already hold theirs and are left
+as they are.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from kvflow.layers.linear import Linear
 from kvflow.layers.memory import return_freed_heap
-from kvflow.quantization.config import QuantizationConfig
+from kvflow.quantization.config import SHIPPED, QuantizationConfig
 from kvflow.quantization.methods import quantize
 
 logger = logging.getLogger("kvflow")
@@ -24,14 +25,14 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> Counter:
     """Quantize every eligible `Linear`; returns how many layers run on each format."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     for name, module in linears:
-        if module.quant_weight is None and _eligible(name, config) and config.method != "gguf":
+        if module.quant_weight is None and _eligible(name, config) and config.method not in SHIPPED:
             config.check_layer(name, module.in_features)
     for name, module in linears:
         if module.quant_weight is not None or not _eligible(name, config):
             continue
-        if config.method == "gguf":
-            logger.info("quantization=gguf: %s was not quantized in the file; it runs in %s",
-                        name, module.weight.dtype)
+        if config.method in SHIPPED:
+            logger.info("quantization=%s: %s was not quantized in the checkpoint; it runs in %s",
+                        config.method, name, module.weight.dtype)
             continue
         module.set_quantized(quantize(module.weight.detach(), config.method, config.group_size))
     return_freed_heap()

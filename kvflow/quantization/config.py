@@ -8,7 +8,9 @@
   - "int8": per-output-channel symmetric int8, quantized at load;
   - "int4": 4-bit with a float scale and zero point per group of `quantization_group_size`
     inputs (32 by default), quantized at load;
-  - "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights as shipped.
+  - "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights as shipped;
+  - "compressed-tensors": a Hugging Face checkpoint's compressed-tensors W4A16 / W8A16 weights
+    as shipped (the default for such a checkpoint, whatever `dtype`: it has no float weights).
 Activations stay in `dtype`; the embedding and the LM head keep it too unless
 `quantize_lm_head` (then the head alone is quantized, the embedding table stays).
 """
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "int8", "int4", "gguf")
+METHODS = ("none", "int8", "int4", "gguf", "compressed-tensors")
+SHIPPED = ("gguf", "compressed-tensors")  # the checkpoint fixes the format; nothing is quantized at load
 GGUF_BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -25,10 +28,11 @@ DEFAULT_INT4_GROUP_SIZE = 32
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str  # "int8" | "int4" | "gguf"
+    method: str  # "int8" | "int4" | "gguf" | "compressed-tensors"
     group_size: int | None  # int8: None = one group per output channel; int4: inputs per group
     quantize_lm_head: bool = False
     gguf_type: str | None = None  # gguf: the type most of the file's linear weights ship in
+    bits: int | None = None  # compressed-tensors: the checkpoint's (smallest) weight width
 
     @staticmethod
     def parse(method: str | None, group_size: int | None = None, quantize_lm_head: bool = False) -> QuantizationConfig | None:
@@ -42,8 +46,8 @@ class QuantizationConfig:
             raise ValueError(f"quantization: {method!r} is not supported; choose one of {', '.join(METHODS)} "
                              "(or leave it unset: a GGUF file then runs on its own quantization)")
         if group_size is not None:
-            if method == "gguf":
-                raise ValueError("quantization_group_size does not apply to gguf: the file's blocks fix it")
+            if method in SHIPPED:
+                raise ValueError(f"quantization_group_size does not apply to {method}: the checkpoint fixes it")
             if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 8:
                 raise ValueError(f"quantization_group_size must be an integer >= 8, got {group_size!r}")
             if method == "int4" and group_size % 32:
@@ -59,6 +63,8 @@ class QuantizationConfig:
         """Bytes a quantized linear weight takes, scales and offsets included (for memory plans)."""
         if self.method == "gguf":
             return GGUF_BYTES_PER_WEIGHT.get(self.gguf_type or "Q4_1", 1.0)
+        if self.method == "compressed-tensors":  # quants, a float32 scale and offset per group
+            return (self.bits or 8) / 8 + (8 / self.group_size if self.group_size else 0.0)
         if self.method == "int8":
             return 1.0 + (4 / self.group_size if self.group_size else 0.0)
         return 0.5 + 8 / (self.group_size or DEFAULT_INT4_GROUP_SIZE)
@@ -66,6 +72,8 @@ class QuantizationConfig:
     def describe(self) -> str:
         if self.method == "gguf":
             return f"gguf ({self.gguf_type or 'as shipped'}, as shipped)"
+        if self.method == "compressed-tensors":
+            return f"compressed-tensors (W{self.bits}A16, as shipped)"
         group = f"groups of {self.group_size}" if self.group_size else "per channel"
         return f"{self.method} ({group}{', LM head too' if self.quantize_lm_head else ''})"
 

@@ -5,7 +5,8 @@ One record covers every weight-only format kvflow runs (csrc/quant_gemm.cpp):
     w[n, k] = q[n, k] * scales[n, k // group_size] + offsets[n, k // group_size]
 
 - `bits=8`: `qweight` int8 [N, K]; symmetric, so no offsets (per-channel int8 is one group of
-  K; GGUF Q8_0 is groups of 32);
+  K; GGUF Q8_0 is groups of 32), except an asymmetric compressed-tensors checkpoint's
+  (offsets -zero_point * scale);
 - `bits=4`: `qweight` uint8 [N, K/2], two values 0..15 per byte in 32-input blocks of 16
   bytes (byte j of a block: input j in the low nibble, input 16 + j in the high one), GGUF's
   Q4_0/Q4_1 order; `offsets` carry the zero point (-scale * zero), Q4_0's -8d or Q4_1's min.

@@ -22,7 +22,7 @@ from kvflow.layers.attention import AttentionBackend
 from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
 from kvflow.quantization.apply import quantize_model
-from kvflow.quantization.config import QuantizationConfig
+from kvflow.quantization.config import SHIPPED, QuantizationConfig
 from kvflow.quantization.gguf import SHIPPED_TYPES
 from kvflow.quantization.qweight import QuantizedWeight
 
@@ -68,7 +68,8 @@ def load_model_config(path: str) -> ModelConfig:
 
 def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[[str], bool] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """HF-named weights; `keep_quantized` picks the GGUF weights that stay in their blocks."""
+    """HF-named weights; `keep_quantized` picks the GGUF weights that stay in their blocks (a
+    compressed-tensors checkpoint's layers stay quantized when it is given, else dequantized)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if _is_gguf(path):
@@ -77,21 +78,29 @@ def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[
         from kvflow.loader.gguf_loader import iter_gguf_weights
 
         return iter_gguf_weights(path, keep_quantized)
-    from kvflow.loader.safetensors_loader import iter_safetensors_weights
+    from kvflow.loader.safetensors_loader import (compressed_tensors_config, iter_compressed_tensors_weights,
+                                                  iter_safetensors_weights)
 
+    ct = compressed_tensors_config(_hf_dict(path))
+    if ct is not None:
+        return iter_compressed_tensors_weights(path, ct, keep_quantized is not None)
     return iter_safetensors_weights(path)
 
 
 def resolve_quantization(path: str, quantization: str | None, group_size: int | None = None,
                          quantize_lm_head: bool = False, dtype: str | torch.dtype = "auto") -> QuantizationConfig | None:
     """The quantization a model runs with: the options as given, or, left unset, a GGUF file's
-    own (when `dtype` is "auto": an explicit dtype asks for the weights in that dtype)."""
+    own (when `dtype` is "auto": an explicit dtype asks for the weights in that dtype), or a
+    compressed-tensors checkpoint's own (whatever the dtype: it has no float weights)."""
     config = QuantizationConfig.parse(quantization, group_size, quantize_lm_head)
-    gguf_types = {}
-    if _is_gguf(path):
-        from kvflow.loader.gguf_loader import linear_weight_types
+    if not _is_gguf(path):
+        return _resolve_compressed_tensors(path, quantization, config, quantize_lm_head)
+    if config is not None and config.method == "compressed-tensors":
+        raise ValueError(f"quantization: compressed-tensors runs a Hugging Face checkpoint's own weights, and {path} "
+                         "is a GGUF file (its own quantization is gguf)")
+    from kvflow.loader.gguf_loader import linear_weight_types
 
-        gguf_types = linear_weight_types(path)
+    gguf_types = linear_weight_types(path)
     shipped = sorted(kind for kind in gguf_types if kind in {name for name, _ in SHIPPED_TYPES.values()})
     if config is not None and config.method == "gguf" and not shipped:
         raise ValueError(f"quantization: gguf runs a GGUF file's {'/'.join(n for n, _ in SHIPPED_TYPES.values())} "
@@ -107,6 +116,36 @@ def resolve_quantization(path: str, quantization: str | None, group_size: int | 
     if config is not None and config.method == "gguf":
         return dataclasses.replace(config, gguf_type=max(shipped, key=lambda kind: gguf_types[kind]))
     return config
+
+
+def _resolve_compressed_tensors(path: str, quantization: str | None, config: QuantizationConfig | None,
+                                quantize_lm_head: bool) -> QuantizationConfig | None:
+    """A Hugging Face directory: its compressed-tensors quantization (refusing what the kernel
+    cannot run), or the options as given for a float checkpoint."""
+    from kvflow.loader.safetensors_loader import compressed_tensors_config
+
+    try:
+        hf = _hf_dict(path)
+    except ValueError:
+        hf = {}  # not a model directory: load_model_config reports it
+    ct = compressed_tensors_config(hf)
+    if config is not None and config.method == "gguf":
+        raise ValueError(f"quantization: gguf runs a GGUF file's own blocks, and {path} is not a GGUF file")
+    if ct is None:
+        if config is not None and config.method == "compressed-tensors":
+            raise ValueError(f"quantization: compressed-tensors runs a checkpoint whose config.json has a "
+                             f"compressed-tensors quantization_config, and {path} has none")
+        return config
+    if config is not None and config.method in ("int8", "int4"):
+        raise ValueError(f"quantization: {config.method} quantizes float weights at load, but {path} is already "
+                         "quantized (compressed-tensors); leave quantization unset to run it as shipped, or "
+                         "'none' to dequantize it")
+    if quantization == "none":
+        logger.info("%s: quantization=none, so its compressed-tensors weights are dequantized", path)
+        return None
+    logger.info("%s: running its compressed-tensors W%dA16 weights as shipped (quantization=none dequantizes "
+                "them)", os.path.basename(os.path.normpath(path)), ct.num_bits)
+    return QuantizationConfig("compressed-tensors", ct.group_size, quantize_lm_head, bits=ct.num_bits)
 
 
 def load_model(
@@ -127,8 +166,8 @@ def load_model(
         _init_dummy(model)
     else:
         keep = None
-        if quantization is not None and quantization.method == "gguf":
-            keep = _runs_gguf_blocks
+        if quantization is not None and quantization.method in SHIPPED:
+            keep = _runs_gguf_blocks  # compressed-tensors: any `keep` keeps every quantized layer
         model.load_weights(iter_weights(path, load_format, keep))
     model.to(dtype)  # also casts the rotary tables once
     model.eval()

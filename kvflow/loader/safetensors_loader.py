@@ -35,3 +35,44 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
         with handle as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def compressed_tensors_config(hf_config: dict[str, Any]):
+    """The checkpoint's compressed-tensors quantization (parsed, unsupported settings refused),
+    or None when config.json has no such quantization_config."""
+    qc = hf_config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    from kvflow.quantization.compressed_tensors import CompressedTensorsConfig
+
+    return CompressedTensorsConfig.from_hf(qc)
+
+
+def iter_compressed_tensors_weights(model_dir: str, config, keep_quantized: bool = True
+                                    ) -> Iterator[tuple[str, Any]]:
+    """`iter_safetensors_weights`, with each quantized linear's tensors (weight_packed,
+    weight_scale, ... arrive as separate names, possibly in different shards) buffered until
+    the layer is complete and yielded as one (`<module>.weight`, QuantizedWeight); with
+    `keep_quantized` False, as its float32 dequantization instead (--quantization none)."""
+    from kvflow.quantization.compressed_tensors import PARTS, required_parts, to_quantized_weight
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_safetensors_weights(model_dir):
+        module, _, part = name.rpartition(".")
+        is_int_weight = part == "weight" and not tensor.dtype.is_floating_point
+        if part not in PARTS and not is_int_weight:
+            yield name, tensor
+            continue
+        scheme = config.scheme_for(module)
+        if scheme is None:
+            raise ValueError(f"checkpoint tensor {name!r} is quantized, but quantization_config's targets and "
+                             "ignore list say its layer is not")
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if all(p in parts for p in required_parts(scheme)):
+            weight = to_quantized_weight(module, pending.pop(module), scheme)
+            yield f"{module}.weight", weight if keep_quantized else weight.dequantize()
+    if pending:
+        module, parts = next(iter(pending.items()))
+        raise ValueError(f"checkpoint is incomplete: quantized layer {module} has only {', '.join(sorted(parts))} "
+                         f"({len(pending)} such layer(s))")

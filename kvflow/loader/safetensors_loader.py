@@ -67,6 +67,8 @@ def iter_compressed_tensors_weights(model_dir: str, config, keep_quantized: bool
         if scheme is None:
             raise ValueError(f"checkpoint tensor {name!r} is quantized, but quantization_config's targets and "
                              "ignore list say its layer is not")
+        if part == "weight_zero_point" and scheme.symmetric:
+            continue  # some producers also ship a symmetric layer's (all-zero) zero points
         parts = pending.setdefault(module, {})
         parts[part] = tensor
         if all(p in parts for p in required_parts(scheme)):

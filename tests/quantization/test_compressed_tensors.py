@@ -53,12 +53,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 
 
 def make_checkpoint(directory: Path, bits: int, strategy: str, group_size: int | None, symmetric: bool, fmt: str,
-                    scale_dtype: torch.dtype = torch.float32):
+                    scale_dtype: torch.dtype = torch.float32, ignore: tuple[str, ...] = ("lm_head",)):
     """A tiny random Llama quantized and saved by compressed-tensors; returns (path, its scheme, float model)."""
     path, hf = save_random_model(_tiny_config("llama"), directory / "float")
     args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group_size, symmetric=symmetric)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+    apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)),
                               show_progress=False)
     for module in hf.modules():
         if getattr(module, "quantization_scheme", None) is None:
@@ -161,6 +161,19 @@ def test_greedy_matches_transformers_on_the_decompressed_weights(checkpoint):
     for prompt, out in zip(PROMPTS, outs):
         ref, gaps, _ = hf_greedy(hf, prompt, GREEDY.max_tokens)
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, f"{name} {prompt[:4]}")
+
+
+def test_a_quantized_lm_head_runs_quantized(tmp_path):
+    import transformers
+
+    path, scheme = make_checkpoint(tmp_path, 4, "group", 32, False, "pack-quantized", ignore=())
+    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config("llama"), torch_dtype=torch.float32).eval()
+    hf.load_state_dict(library_decompressed(path, scheme, "pack-quantized"), strict=True)
+    llm = LLM(path, dtype="float32", kv_cache_memory=16 << 20, max_model_len=256)
+    assert llm.engine.runner.model.lm_head.quant_weight.source == "compressed-tensors:W4A16"
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0]
+    ref, gaps, _ = hf_greedy(hf, PROMPTS[0], GREEDY.max_tokens)
+    assert_greedy_match(out.outputs[0].token_ids, ref, gaps, "quantized head")
 
 
 def test_quantization_none_dequantizes_and_int8_is_refused(checkpoint):

@@ -238,9 +238,14 @@ void dot_avx2(const float* const* xs, int64_t rows, const float* tile, int64_t c
 constexpr int64_t ROW_BLOCK = 64;  // rows of x per pass over a tile (bounds the scratch output)
 
 template <typename T>
+using Storage = std::conditional_t<std::is_same_v<T, float>, kvflow::F32, kvflow::BF16>;
+
+// x in T, y in O (float32 output from bf16 input: logits keep the accumulator's precision).
+template <typename T, typename O>
 int quant_gemm(const T* x, int64_t m, int64_t k, int64_t x_stride, const QuantWeight& w, int64_t n,
-               const float* bias, T* y, int64_t y_stride, bool portable) {
-    using IO = std::conditional_t<std::is_same_v<T, float>, kvflow::F32, kvflow::BF16>;
+               const float* bias, O* y, int64_t y_stride, bool portable) {
+    using IO = Storage<T>;
+    using OUT = Storage<O>;
     // float32 rows of x: bf16 input is widened once; float32 input is read in place.
     std::vector<float> widened;
     std::vector<const float*> rows(m);
@@ -275,7 +280,7 @@ int quant_gemm(const T* x, int64_t m, int64_t k, int64_t x_stride, const QuantWe
                     fused_rows_avx2<1>(rows.data(), w, n0, part);
                 for (int64_t r = 0; r < m; ++r)
                     for (int64_t c = 0; c < cols; ++c)
-                        y[r * y_stride + n0 + c] = IO::store(part[r * cols + c] + (bias ? bias[n0 + c] : 0.f));
+                        y[r * y_stride + n0 + c] = OUT::store(part[r * cols + c] + (bias ? bias[n0 + c] : 0.f));
                 continue;
             }
 #endif
@@ -299,7 +304,7 @@ int quant_gemm(const T* x, int64_t m, int64_t k, int64_t x_stride, const QuantWe
                 for (int64_t r = 0; r < count; ++r)
                     for (int64_t c = 0; c < cols; ++c) {
                         const float v = part[r * cols + c] + (bias ? bias[n0 + c] : 0.f);
-                        y[(r0 + r) * y_stride + n0 + c] = IO::store(v);
+                        y[(r0 + r) * y_stride + n0 + c] = OUT::store(v);
                     }
             }
         }
@@ -321,21 +326,25 @@ int kvflow_has_quant_gemm_simd() {
 #endif
 }
 
+// dtype: x's (0 float32, 1 bf16); out_dtype: y's (the same, or 0 for float32 from bf16 input).
 // Returns 0, or -1 for a layout it does not take (checked in Python first), -3 out of memory.
-int kvflow_quant_gemm(int dtype, const void* x, int64_t m, int64_t k, int64_t x_stride, int bits, const uint8_t* q,
-                      const float* scales, const float* offsets, int64_t group, int64_t n, const float* bias, void* y,
-                      int64_t y_stride, int portable) {
+int kvflow_quant_gemm(int dtype, int out_dtype, const void* x, int64_t m, int64_t k, int64_t x_stride, int bits,
+                      const uint8_t* q, const float* scales, const float* offsets, int64_t group, int64_t n,
+                      const float* bias, void* y, int64_t y_stride, int portable) {
     if ((bits != 8 && bits != 4) || group <= 0 || k % group != 0 || k % LANES != 0 || group % LANES != 0 ||
         (bits == 4 && (group % 32 != 0 || k % 32 != 0)))
         return -1;
     if (m == 0) return 0;
     const QuantWeight w{bits, q, scales, offsets, group, k};
-    if (dtype == 0)
-        return quant_gemm(static_cast<const float*>(x), m, k, x_stride, w, n, bias, static_cast<float*>(y), y_stride,
-                          portable != 0);
-    if (dtype == 1)
+    const bool p = portable != 0;
+    if (dtype == 0 && out_dtype == 0)
+        return quant_gemm(static_cast<const float*>(x), m, k, x_stride, w, n, bias, static_cast<float*>(y), y_stride, p);
+    if (dtype == 1 && out_dtype == 1)
         return quant_gemm(static_cast<const uint16_t*>(x), m, k, x_stride, w, n, bias, static_cast<uint16_t*>(y),
-                          y_stride, portable != 0);
+                          y_stride, p);
+    if (dtype == 1 && out_dtype == 0)
+        return quant_gemm(static_cast<const uint16_t*>(x), m, k, x_stride, w, n, bias, static_cast<float*>(y),
+                          y_stride, p);
     return -1;
 }
 

@@ -49,7 +49,7 @@ class Linear(nn.Linear):
                              f"{(self.out_features, self.in_features)}")
         self.quant_weight, self.packing = weight, "quantized"
         self.packed_weight = self.packed_bias = None
-        self._quant_op = None  # bound on the first call, once the bias has its final dtype
+        self._quant_op = self._quant_logits_op = None  # bound on first use, once the bias has its final dtype
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
                                    requires_grad=False)
 
@@ -114,6 +114,16 @@ class Linear(nn.Linear):
                             f"{x.dtype} input; its plain weight was released after packing")
         return F.linear(x, self.weight, self.bias)
 
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The output in float32 (the LM head's logits). A quantized layer returns its float32
+        accumulator as is: rounding logits to bf16 first makes ties of tokens whose logits
+        differ by less than a bf16 step, and greedy then picks by token id."""
+        if self.quant_weight is None:
+            return self(x).float()
+        if self._quant_logits_op is None:
+            self._quant_logits_op = quant_kernels.prepare(self.quant_weight, self.bias, float32_out=True)
+        return self._quant_logits_op(x)
 
     def release_plain_weight(self) -> None:
         """Keep only the packed weight (shape and dtype stay visible on a meta tensor)."""

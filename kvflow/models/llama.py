@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the rows that are sampled."""
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward_float32(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:

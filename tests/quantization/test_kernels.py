@@ -88,3 +88,16 @@ def test_packed_int4_layout_is_ggufs_nibble_order():
     assert packed.tolist()[0] == [j | ((16 + j) % 16) << 4 for j in range(16)]
     qw = QuantizedWeight(packed, torch.ones(1, 1), None, 4, 32, 32, "test")
     assert qw.int_values().to(torch.uint8).tolist() == q.tolist()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5])
+def test_float32_output_from_bf16_input_is_the_unrounded_accumulator(rows):
+    """The LM head's path: bf16 activations in, float32 logits out, no bf16 rounding between."""
+    qw = quantize_int8(_weight(64, 128, seed=7), 32)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(8)).bfloat16()
+    y = kernels.quant_linear(x, qw, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), x.double() @ qw.dequantize().double().T, rtol=0, atol=1e-4)
+    assert torch.equal(kernels.prepare(qw, float32_out=True)(x), y)
+    assert torch.equal(y.bfloat16(), kernels.quant_linear(x, qw))  # the bf16 output is this, rounded once

@@ -262,3 +262,29 @@ def test_compressed_tensors_is_refused_where_there_is_none(tmp_path, smollm2_ggu
         resolve_quantization(smollm2_gguf, "compressed-tensors")
     with pytest.raises(ValueError, match="quantization_group_size does not apply to compressed-tensors"):
         resolve_quantization(path, "compressed-tensors", group_size=32)
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 64, True), (4, 128, False), (8, 128, False), (8, 64, True),
+                                                   (4, None, True), (8, None, False)])
+def test_one_layer_of_larger_groups(bits, group, symmetric):
+    """Group sizes the tiny model cannot take (its 160 inputs), on one 48 x 256 layer."""
+    from kvflow.quantization.compressed_tensors import WeightScheme, to_quantized_weight
+
+    strategy = "group" if group else "channel"
+    args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, group_size=group, symmetric=symmetric)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    torch.manual_seed(bits + (group or 0))
+    w = torch.randn(48, 256) * 0.05
+    grouped = w.unflatten(-1, (-1, group)) if group else w.unsqueeze(1)
+    scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    state = {"weight": w, "weight_scale": scale.reshape(48, -1), "weight_zero_point": zero_point.reshape(48, -1)}
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    stored = compressor.compress(state, scheme)
+    ours = to_quantized_weight("layer", stored, WeightScheme(bits, strategy, group, symmetric, "pack-quantized",
+                                                             ("Linear",)))
+    ref = compressor.decompress(stored, scheme)["weight"].float()
+    assert ours.group_size == (group or 256) and ours.bits == bits
+    if bits == 8 and symmetric:
+        assert torch.equal(ours.dequantize(), ref)
+    else:
+        assert bool(((ours.dequantize() - ref).abs() <= ulp_bound(ours)).all())

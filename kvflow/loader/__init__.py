@@ -22,6 +22,7 @@ from kvflow.layers.attention import AttentionBackend
 from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
 from kvflow.quantization.apply import quantize_model
+from kvflow.quantization.methods import quantize
 from kvflow.quantization.config import SHIPPED, QuantizationConfig
 from kvflow.quantization.gguf import SHIPPED_TYPES
 from kvflow.quantization.qweight import QuantizedWeight
@@ -168,7 +169,10 @@ def load_model(
         keep = None
         if quantization is not None and quantization.method in SHIPPED:
             keep = _runs_gguf_blocks  # compressed-tensors: any `keep` keeps every quantized layer
-        model.load_weights(iter_weights(path, load_format, keep))
+        weights = iter_weights(path, load_format, keep)
+        if quantization is not None and quantization.method in ("int8", "int4"):
+            weights = _quantized_as_loaded(weights, quantization)
+        model.load_weights(weights)
     model.to(dtype)  # also casts the rotary tables once
     model.eval()
     if quantization is not None:
@@ -192,6 +196,19 @@ def _no_weight_init() -> Iterator[None]:
         yield
     finally:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def _quantized_as_loaded(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], config: QuantizationConfig
+                         ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """int8/int4: each linear weight quantized as it arrives, so the model's float copy is never
+    written (peak memory: the quantized model plus one float tensor). Rows are quantized
+    independently, so q/k/v quantized apart and stacked equal the fused weight quantized whole."""
+    for name, tensor in weights:
+        head = name == "lm_head.weight"
+        if isinstance(tensor, torch.Tensor) and (name.endswith("_proj.weight") or (head and config.quantize_lm_head)):
+            config.check_layer(name.removeprefix("model.").removesuffix(".weight"), tensor.shape[1])
+            tensor = quantize(tensor, config.method, config.group_size)
+        yield name, tensor
 
 
 def _runs_gguf_blocks(hf_name: str) -> bool:

@@ -69,8 +69,8 @@ def load_model_config(path: str) -> ModelConfig:
 
 def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[[str], bool] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """HF-named weights; `keep_quantized` picks the GGUF weights that stay in their blocks (a
-    compressed-tensors checkpoint's layers stay quantized when it is given, else dequantized)."""
+    """HF-named weights; a quantized checkpoint's layers whose names `keep_quantized` accepts
+    come as `QuantizedWeight`s of their own blocks (GGUF, compressed-tensors), the rest as float."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if _is_gguf(path):
@@ -84,7 +84,7 @@ def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[
 
     ct = compressed_tensors_config(_hf_dict(path))
     if ct is not None:
-        return iter_compressed_tensors_weights(path, ct, keep_quantized is not None)
+        return iter_compressed_tensors_weights(path, ct, keep_quantized)
     return iter_safetensors_weights(path)
 
 
@@ -168,7 +168,7 @@ def load_model(
     else:
         keep = None
         if quantization is not None and quantization.method in SHIPPED:
-            keep = _runs_gguf_blocks  # compressed-tensors: any `keep` keeps every quantized layer
+            keep = _runs_as_shipped
         weights = iter_weights(path, load_format, keep)
         if quantization is not None and quantization.method in ("int8", "int4"):
             weights = _quantized_as_loaded(weights, quantization)
@@ -211,7 +211,7 @@ def _quantized_as_loaded(weights: Iterator[tuple[str, torch.Tensor | QuantizedWe
         yield name, tensor
 
 
-def _runs_gguf_blocks(hf_name: str) -> bool:
+def _runs_as_shipped(hf_name: str) -> bool:
     """Linear weights (HF names end in `_proj.weight`) and the LM head (its own tensor, or the
     embedding's when tied): as shipped, all of them. The embedding lookup reads a float table."""
     return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"

@@ -5,10 +5,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from kvflow.quantization.compressed_tensors import CompressedTensorsConfig
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
@@ -48,12 +51,13 @@ def compressed_tensors_config(hf_config: dict[str, Any]):
     return CompressedTensorsConfig.from_hf(qc)
 
 
-def iter_compressed_tensors_weights(model_dir: str, config, keep_quantized: bool = True
+def iter_compressed_tensors_weights(model_dir: str, config: CompressedTensorsConfig,
+                                    keep_quantized: Callable[[str], bool] | None = None
                                     ) -> Iterator[tuple[str, Any]]:
     """`iter_safetensors_weights`, with each quantized linear's tensors (weight_packed,
     weight_scale, ... arrive as separate names, possibly in different shards) buffered until
-    the layer is complete and yielded as one (`<module>.weight`, QuantizedWeight); with
-    `keep_quantized` False, as its float32 dequantization instead (--quantization none)."""
+    the layer is complete and yielded as one (`<module>.weight`, QuantizedWeight) where
+    `keep_quantized` accepts that name, else as its float32 dequantization (--quantization none)."""
     from kvflow.quantization.compressed_tensors import PARTS, required_parts, to_quantized_weight
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -73,7 +77,8 @@ def iter_compressed_tensors_weights(model_dir: str, config, keep_quantized: bool
         parts[part] = tensor
         if all(p in parts for p in required_parts(scheme)):
             weight = to_quantized_weight(module, pending.pop(module), scheme)
-            yield f"{module}.weight", weight if keep_quantized else weight.dequantize()
+            name = f"{module}.weight"
+            yield name, weight if keep_quantized is not None and keep_quantized(name) else weight.dequantize()
     if pending:
         module, parts = next(iter(pending.items()))
         raise ValueError(f"checkpoint is incomplete: quantized layer {module} has only {', '.join(sorted(parts))} "

@@ -88,10 +88,13 @@ class ModelConfig:
             sliding_window=_sliding_window(arch, cfg),
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """layers x (K and V) x kv_heads x head_dim x element size."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * elem
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """layers x (K and V) x kv_heads x head_dim x element size (int8: 1 byte, plus a
+        float16 scale per KV head: layers/kv_int8.py)."""
+        from kvflow.layers.kv_int8 import bytes_per_element
+
+        per_head = round(self.head_dim * bytes_per_element(kv_cache_dtype, self.head_dim, dtype))
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * per_head
 
     def num_linear_parameters(self) -> int:
         """Weights of the decoder layers' projections (what weight quantization applies to)."""
@@ -181,13 +184,18 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int | None = None  # int4: 32 by default; int8: per channel
     quantize_lm_head: bool = False
+    # KV cache storage (vLLM's option name): "auto" (the model's dtype) or "int8" (a float16
+    # scale per token and KV head beside the blocks: kvflow.layers.kv_int8).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        from kvflow.layers.kv_int8 import check_kv_cache_dtype
         from kvflow.quantization.config import QuantizationConfig
         from kvflow.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -104,6 +104,7 @@ class LLMEngine:
             memory_utilization=config.memory_utilization,
             draft=draft_cfg,
             quantization=self.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         attn_backend = get_attn_backend("cpu")
         model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed,
@@ -119,7 +120,8 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.runner = ModelRunner(
-            model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids
+            model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids,
+            config.kv_cache_dtype,
         )
         self.speculator = None
         if spec is not None:

@@ -8,7 +8,7 @@ of the machine's memory (`memory_utilization`) minus the weights and the activat
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class KVCachePlan:
     draft_bytes_per_token: int = 0
     draft_weight_bytes: int = 0
     weight_format: str = "none"  # the linear layers' quantization (QuantizationConfig.describe)
+    kv_cache_dtype: str = "auto"  # "auto" (= dtype) or "int8"
+    # Bytes per token of each KV cache dtype this model could use, for the comparison rows.
+    bytes_per_token_by_kv_dtype: dict[str, int] = field(default_factory=dict)
 
     @property
     def bytes_per_block(self) -> int:
@@ -53,11 +56,16 @@ class KVCachePlan:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         return self.num_blocks / blocks_per_seq
 
+    @property
+    def kv_dtype_name(self) -> str:
+        return _dtype_name(self.dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def describe(self) -> str:
         rows = [
-            ("dtype", str(self.dtype).removeprefix("torch.")),
+            ("dtype", _dtype_name(self.dtype)),
             ("weights", _fmt_bytes(self.weight_bytes)),
             ("quantization", self.weight_format),
+            ("KV cache dtype", self.kv_dtype_name),
             ("KV bytes per token", f"{self.bytes_per_token:,} B"),
             ("block size", f"{self.block_size} tokens ({_fmt_bytes(self.bytes_per_block)})"),
             ("KV cache", f"{_fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks:,} blocks = {self.num_tokens:,} tokens"),
@@ -69,7 +77,26 @@ class KVCachePlan:
             ("max concurrency", f"{self.max_concurrency:.2f} sequences at max model len"),
         ]
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+        return "\n".join([*(f"  {k:<{width}}  {v}" for k, v in rows), *self._kv_dtype_rows()])
+
+    def _kv_dtype_rows(self) -> list[str]:
+        """What the same KV memory holds in each KV cache dtype (--kv-cache-dtype)."""
+        if len(self.bytes_per_token_by_kv_dtype) < 2:
+            return []
+        budget = self.kv_cache_bytes + self.draft_bytes_per_token * self.num_tokens
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        lines = ["", f"  in the same {_fmt_bytes(budget)} of KV memory, by --kv-cache-dtype:",
+                 f"    {'KV dtype':<10} {'bytes/token':>11} {'tokens':>11} {'max concurrency':>16}"]
+        for name, bpt in self.bytes_per_token_by_kv_dtype.items():
+            blocks = budget // ((bpt + self.draft_bytes_per_token) * self.block_size)
+            mark = "  <- this plan" if bpt == self.bytes_per_token and name == self.kv_dtype_name else ""
+            lines.append(f"    {name:<10} {bpt:>11,} {blocks * self.block_size:>11,} "
+                         f"{blocks / blocks_per_seq:>16.2f}{mark}")
+        return lines
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -102,10 +129,12 @@ def plan_kv_cache(
     activation_bytes: int = 0,
     draft: ModelConfig | None = None,
     quantization: QuantizationConfig | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KVCachePlan:
     """`draft`: a speculative draft model, whose weights and KV cache (as many tokens as the
     target's) come out of the same budget. `quantization`: the linear weights' format (the
-    embedding and LM head stay in `dtype`; a quantized head is not counted as smaller)."""
+    embedding and LM head stay in `dtype`; a quantized head is not counted as smaller).
+    `kv_cache_dtype`: the target's KV storage ("auto" or "int8"; a draft keeps `dtype`)."""
     if kv_cache_memory is not None and memory_utilization is not None:
         raise ValueError("kv_cache_memory and memory_utilization: set one, not both")
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -113,7 +142,10 @@ def plan_kv_cache(
     if quantization is not None:
         linear = cfg.num_linear_parameters()
         weight_bytes += int(linear * quantization.bytes_per_weight()) - linear * elem
-    bytes_per_token = cfg.kv_bytes_per_token(dtype)
+    bytes_per_token = cfg.kv_bytes_per_token(dtype, kv_cache_dtype)
+    by_kv_dtype = {_dtype_name(dtype): cfg.kv_bytes_per_token(dtype)}
+    if cfg.head_dim % 4 == 0:  # what the int8 cache's key cells need
+        by_kv_dtype["int8"] = cfg.kv_bytes_per_token(dtype, "int8")
     draft_bpt = draft.kv_bytes_per_token(dtype) if draft is not None else 0
     draft_weights = draft.num_parameters() * elem if draft is not None else 0
     one_sequence = -(-max_model_len // block_size) * block_size * (bytes_per_token + draft_bpt)
@@ -131,7 +163,8 @@ def plan_kv_cache(
                          f"{draft_note}")
     num_blocks = budget // ((bytes_per_token + draft_bpt) * block_size)
     plan = KVCachePlan(dtype, block_size, bytes_per_token, num_blocks, max_model_len, weight_bytes, draft_bpt,
-                       draft_weights, quantization.describe() if quantization is not None else "none")
+                       draft_weights, quantization.describe() if quantization is not None else "none",
+                       kv_cache_dtype, by_kv_dtype)
     if plan.num_tokens < max_model_len:
         need = one_sequence
         whose = " with the draft model's (speculative_config.model) beside it" if draft is not None else ""

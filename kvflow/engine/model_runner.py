@@ -74,13 +74,14 @@ class ModelRunner:
         kv_cache_manager: KVCacheManager,
         dtype: torch.dtype,
         eos_token_ids: list[int],
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
         self.kv_caches = attn_backend.allocate_kv_caches(
             model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
-            model_config.num_key_value_heads, model_config.head_dim, dtype)
+            model_config.num_key_value_heads, model_config.head_dim, dtype, kv_cache_dtype)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers import cpu_kernels, kv_layout
+from kvflow.layers import cpu_kernels, kv_int8, kv_layout
 from kvflow.layers.memory import empty_on_huge_pages
 
 
@@ -59,15 +59,19 @@ class AttentionBackend(ABC):
     name: str
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+                           head_dim: int, dtype: torch.dtype,
+                           kv_cache_dtype: str = "auto") -> list[torch.Tensor] | list[kv_int8.Int8KVCache]:
         """Each layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim]: views into
-        one pool allocated at once.
+        one pool allocated at once. With kv_cache_dtype="int8", `kv_int8.Int8KVCache`s (int8
+        values and their scales, also views into one pool each).
 
         Zeroed, so the whole pool is resident from the start: the memory plan's figure is what
         the process holds, and resident memory does not creep up run after run as the prefix
         cache fills the pool. (No reader depends on the zeros: each looks only at slots below
         a sequence's length, or masks the rest, values included.)
         """
+        if kv_int8.check_kv_cache_dtype(kv_cache_dtype) == "int8":
+            return kv_int8.allocate(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self._zeroed_pool)
         return list(self._zeroed_pool((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype))
 
     def _zeroed_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -112,6 +116,8 @@ class CPUAttentionBackend(AttentionBackend):
         return empty_on_huge_pages(shape, dtype).zero_()
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        if isinstance(kv_cache, kv_int8.Int8KVCache):
+            return self._forward_int8(q, k, v, kv_cache, meta, scale)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if self.kernels is not None and k.dtype == key_cache.dtype and cpu_kernels.heads_contiguous(k) and cpu_kernels.heads_contiguous(v):
@@ -119,7 +125,26 @@ class CPUAttentionBackend(AttentionBackend):
         else:
             kv_layout.write_keys(key_cache, meta.slot_mapping, k)
             value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self._attend(q, k, v, key_cache, value_cache, meta, scale)
 
+    def _forward_int8(self, q, k, v, cache: kv_int8.Int8KVCache, meta, scale):
+        """The int8 cache: quantize the step's K/V into it, then attend over what it now holds
+        (the chunk's own keys included, never the fresh float ones: see kv_int8)."""
+        kv_int8.write(cache, k, v, meta.slot_mapping, self.kernels)
+        if kv_int8.kernel_supports(self.kernels, q.shape[1], k.shape[1]):
+            return kv_int8.paged_attention(self.kernels, q, cache, meta, scale)
+        key_cache, value_cache, compact = kv_int8.gather_dequantized(cache, meta)
+        out = _PYTORCH.forward_cached(q.float(), key_cache, value_cache, compact, scale)
+        return out.to(q.dtype)
+
+    def forward_cached(self, q, key_cache, value_cache, meta, scale):
+        """Attention over K/V already in the cache (the chunk's own included)."""
+        return self._attend(q, None, None, key_cache, value_cache, meta, scale)
+
+    def _attend(self, q, k, v, key_cache, value_cache, meta, scale):
+        """k/v: the step's fresh K/V, which a first chunk may attend over directly; None reads
+        every key from the cache."""
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         nd = meta.num_decodes
         if nd == meta.num_seqs:  # a pure decode step: the kernel's output is the answer
             return self._decode(q, key_cache, value_cache, meta, scale)
@@ -135,7 +160,7 @@ class CPUAttentionBackend(AttentionBackend):
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             context_len = meta.seq_lens[i] - (end - start)
-            if context_len == 0:
+            if context_len == 0 and k is not None:
                 keys, values = k[start:end], v[start:end]
             else:
                 num_blocks = -(-meta.seq_lens[i] // meta.block_size)
@@ -211,6 +236,10 @@ def _causal_attention(q, keys, values, context_len: int, scale: float) -> torch.
     scores.masked_fill_(future, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1).to(vh.dtype), vh)  # [KVH, G, n, D]
     return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+# The int8 cache's fallback when the compiled kernels cannot take a shape (or are disabled).
+_PYTORCH = CPUAttentionBackend(use_kernels=False)
 
 
 def get_attn_backend(device: torch.device | str) -> AttentionBackend:

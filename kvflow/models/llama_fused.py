@@ -166,7 +166,7 @@ class FusedLlamaStack:
             return True
         expected = (2, block_size, self.shape.num_kv_heads, self.shape.head_dim)
         if len(kv_caches) != len(self.layers) or not all(
-                c.dtype == self.dtype and c.is_contiguous() and (c.shape[0], *c.shape[2:]) == expected
+                isinstance(c, torch.Tensor) and c.dtype == self.dtype and c.is_contiguous() and (c.shape[0], *c.shape[2:]) == expected
                 for c in kv_caches):
             return False
         for entry, cache in zip(self.layers, kv_caches):

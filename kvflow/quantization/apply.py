@@ -2,7 +2,7 @@
 
 Runs after the weights are loaded and before they are packed: each `Linear` but the LM head
 (unless `quantize_lm_head`) trades its float weight for a `QuantizedWeight`. Layers a GGUF
-file or a compressed-tensors checkpoint shipped quantized already hold theirs and are left
+file or a compressed-tensors or GPTQ checkpoint shipped quantized already hold theirs and are left
 as they are.
 """
 

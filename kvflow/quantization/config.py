@@ -10,7 +10,9 @@
     inputs (32 by default), quantized at load;
   - "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 weights as shipped;
   - "compressed-tensors": a Hugging Face checkpoint's compressed-tensors W4A16 / W8A16 weights
-    as shipped (the default for such a checkpoint, whatever `dtype`: it has no float weights).
+    as shipped (the default for such a checkpoint, whatever `dtype`: it has no float weights);
+  - "gptq": a Hugging Face checkpoint's GPTQ-format 4-/8-bit weights (qweight, qzeros, scales,
+    g_idx) as shipped, the default for such a checkpoint likewise.
 Activations stay in `dtype`; the embedding and the LM head keep it too unless
 `quantize_lm_head` (then the head alone is quantized, the embedding table stays).
 """
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "int8", "int4", "gguf", "compressed-tensors")
-SHIPPED = ("gguf", "compressed-tensors")  # the checkpoint fixes the format; nothing is quantized at load
+METHODS = ("none", "int8", "int4", "gguf", "compressed-tensors", "gptq")
+SHIPPED = ("gguf", "compressed-tensors", "gptq")  # the checkpoint fixes the format; nothing is quantized at load
+HF_SHIPPED = ("compressed-tensors", "gptq")  # formats of a Hugging Face checkpoint's config.json
 GGUF_BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 32
@@ -28,11 +31,11 @@ DEFAULT_INT4_GROUP_SIZE = 32
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str  # "int8" | "int4" | "gguf" | "compressed-tensors"
+    method: str  # "int8" | "int4" | "gguf" | "compressed-tensors" | "gptq"
     group_size: int | None  # int8: None = one group per output channel; int4: inputs per group
     quantize_lm_head: bool = False
     gguf_type: str | None = None  # gguf: the type most of the file's linear weights ship in
-    bits: int | None = None  # compressed-tensors: the checkpoint's (smallest) weight width
+    bits: int | None = None  # compressed-tensors, gptq: the checkpoint's (smallest) weight width
 
     @staticmethod
     def parse(method: str | None, group_size: int | None = None, quantize_lm_head: bool = False) -> QuantizationConfig | None:
@@ -63,7 +66,7 @@ class QuantizationConfig:
         """Bytes a quantized linear weight takes, scales and offsets included (for memory plans)."""
         if self.method == "gguf":
             return GGUF_BYTES_PER_WEIGHT.get(self.gguf_type or "Q4_1", 1.0)
-        if self.method == "compressed-tensors":  # quants, a float32 scale and offset per group
+        if self.method in HF_SHIPPED:  # quants, a float32 scale and offset per group
             return (self.bits or 8) / 8 + (8 / self.group_size if self.group_size else 0.0)
         if self.method == "int8":
             return 1.0 + (4 / self.group_size if self.group_size else 0.0)
@@ -72,8 +75,9 @@ class QuantizationConfig:
     def describe(self) -> str:
         if self.method == "gguf":
             return f"gguf ({self.gguf_type or 'as shipped'}, as shipped)"
-        if self.method == "compressed-tensors":
-            return f"compressed-tensors (W{self.bits}A16, as shipped)"
+        if self.method in HF_SHIPPED:
+            group = f"groups of {self.group_size}" if self.group_size else "per channel"
+            return f"{self.method} (W{self.bits}A16, {group}, as shipped)"
         group = f"groups of {self.group_size}" if self.group_size else "per channel"
         return f"{self.method} ({group}{', LM head too' if self.quantize_lm_head else ''})"
 

@@ -178,9 +178,9 @@ class EngineConfig:
     generation_config: str = "auto"
     # Speculative decoding (kvflow.spec_decode.SpeculativeConfig, a dict or its JSON); None: off.
     speculative_config: Any = None
-    # Weight quantization (kvflow.quantization.config): None (a compressed-tensors checkpoint's
-    # own; a GGUF file's own when dtype is "auto"; else none), "none", "int8", "int4", "gguf" or
-    # "compressed-tensors".
+    # Weight quantization (kvflow.quantization.config): None (a compressed-tensors or GPTQ
+    # checkpoint's own; a GGUF file's own when dtype is "auto"; else none), "none", "int8", "int4",
+    # "gguf", "compressed-tensors" or "gptq".
     quantization: str | None = None
     quantization_group_size: int | None = None  # int4: 32 by default; int8: per channel
     quantize_lm_head: bool = False

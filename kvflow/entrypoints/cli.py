@@ -46,8 +46,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--quantization", "-q", default=None,
                    help="weights: int8 (per channel), int4 (per group), gguf (a GGUF file's own Q8_0/Q4_0/Q4_1), "
-                        "compressed-tensors (a checkpoint's own W4A16/W8A16) or none; default: a compressed-tensors "
-                        "checkpoint's own, a GGUF file's own when --dtype is auto, else none")
+                        "compressed-tensors or gptq (a checkpoint's own W4A16/W8A16) or none; default: a "
+                        "compressed-tensors or GPTQ checkpoint's own, a GGUF file's own when --dtype is auto, else none")
     g.add_argument("--quantization-group-size", type=int, default=None,
                    help="inputs per scale: int4 32 (default), 64, 128...; int8 per channel unless given")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (default: its dtype)")

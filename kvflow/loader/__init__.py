@@ -23,7 +23,7 @@ from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
 from kvflow.quantization.apply import quantize_model
 from kvflow.quantization.methods import quantize
-from kvflow.quantization.config import SHIPPED, QuantizationConfig
+from kvflow.quantization.config import HF_SHIPPED, SHIPPED, QuantizationConfig
 from kvflow.quantization.gguf import SHIPPED_TYPES
 from kvflow.quantization.qweight import QuantizedWeight
 
@@ -70,7 +70,7 @@ def load_model_config(path: str) -> ModelConfig:
 def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[[str], bool] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """HF-named weights; a quantized checkpoint's layers whose names `keep_quantized` accepts
-    come as `QuantizedWeight`s of their own blocks (GGUF, compressed-tensors), the rest as float."""
+    come as `QuantizedWeight`s of their own blocks (GGUF, compressed-tensors, GPTQ), the rest as float."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if _is_gguf(path):
@@ -79,12 +79,17 @@ def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[
         from kvflow.loader.gguf_loader import iter_gguf_weights
 
         return iter_gguf_weights(path, keep_quantized)
-    from kvflow.loader.safetensors_loader import (compressed_tensors_config, iter_compressed_tensors_weights,
+    from kvflow.loader.safetensors_loader import (compressed_tensors_config, gptq_config,
+                                                  iter_compressed_tensors_weights, iter_gptq_weights,
                                                   iter_safetensors_weights)
 
-    ct = compressed_tensors_config(_hf_dict(path))
+    hf = _hf_dict(path)
+    ct = compressed_tensors_config(hf)
     if ct is not None:
         return iter_compressed_tensors_weights(path, ct, keep_quantized)
+    gptq = gptq_config(hf)
+    if gptq is not None:
+        return iter_gptq_weights(path, gptq, keep_quantized)
     return iter_safetensors_weights(path)
 
 
@@ -92,12 +97,12 @@ def resolve_quantization(path: str, quantization: str | None, group_size: int | 
                          quantize_lm_head: bool = False, dtype: str | torch.dtype = "auto") -> QuantizationConfig | None:
     """The quantization a model runs with: the options as given, or, left unset, a GGUF file's
     own (when `dtype` is "auto": an explicit dtype asks for the weights in that dtype), or a
-    compressed-tensors checkpoint's own (whatever the dtype: it has no float weights)."""
+    compressed-tensors or GPTQ checkpoint's own (whatever the dtype: it has no float weights)."""
     config = QuantizationConfig.parse(quantization, group_size, quantize_lm_head)
     if not _is_gguf(path):
-        return _resolve_compressed_tensors(path, quantization, config, quantize_lm_head)
-    if config is not None and config.method == "compressed-tensors":
-        raise ValueError(f"quantization: compressed-tensors runs a Hugging Face checkpoint's own weights, and {path} "
+        return _resolve_hf_checkpoint(path, quantization, config, quantize_lm_head)
+    if config is not None and config.method in HF_SHIPPED:
+        raise ValueError(f"quantization: {config.method} runs a Hugging Face checkpoint's own weights, and {path} "
                          "is a GGUF file (its own quantization is gguf)")
     from kvflow.loader.gguf_loader import linear_weight_types
 
@@ -119,34 +124,41 @@ def resolve_quantization(path: str, quantization: str | None, group_size: int | 
     return config
 
 
-def _resolve_compressed_tensors(path: str, quantization: str | None, config: QuantizationConfig | None,
-                                quantize_lm_head: bool) -> QuantizationConfig | None:
-    """A Hugging Face directory: its compressed-tensors quantization (refusing what the kernel
-    cannot run), or the options as given for a float checkpoint."""
-    from kvflow.loader.safetensors_loader import compressed_tensors_config
+def _resolve_hf_checkpoint(path: str, quantization: str | None, config: QuantizationConfig | None,
+                           quantize_lm_head: bool) -> QuantizationConfig | None:
+    """A Hugging Face directory: its compressed-tensors or GPTQ quantization (refusing what the
+    kernel cannot run), or the options as given for a float checkpoint."""
+    from kvflow.loader.safetensors_loader import compressed_tensors_config, gptq_config
 
     try:
         hf = _hf_dict(path)
     except ValueError:
         hf = {}  # not a model directory: load_model_config reports it
+    shipped: QuantizationConfig | None = None
     ct = compressed_tensors_config(hf)
+    if ct is not None:
+        shipped = QuantizationConfig("compressed-tensors", ct.group_size, quantize_lm_head, bits=ct.num_bits)
+    gptq = gptq_config(hf) if ct is None else None
+    if gptq is not None:
+        shipped = QuantizationConfig("gptq", gptq.group_size, quantize_lm_head, bits=gptq.bits)
     if config is not None and config.method == "gguf":
         raise ValueError(f"quantization: gguf runs a GGUF file's own blocks, and {path} is not a GGUF file")
-    if ct is None:
-        if config is not None and config.method == "compressed-tensors":
-            raise ValueError(f"quantization: compressed-tensors runs a checkpoint whose config.json has a "
-                             f"compressed-tensors quantization_config, and {path} has none")
+    if shipped is None:
+        if config is not None and config.method in HF_SHIPPED:
+            raise ValueError(f"quantization: {config.method} runs a checkpoint whose config.json has a "
+                             f"{config.method} quantization_config, and {path} has none")
         return config
-    if config is not None and config.method in ("int8", "int4"):
-        raise ValueError(f"quantization: {config.method} quantizes float weights at load, but {path} is already "
-                         "quantized (compressed-tensors); leave quantization unset to run it as shipped, or "
-                         "'none' to dequantize it")
+    method = shipped.method
+    if config is not None and config.method != method:
+        what = "quantizes float weights at load" if config.method in ("int8", "int4") else "is another format"
+        raise ValueError(f"quantization: {config.method} {what}, but {path} is already quantized ({method}); "
+                         f"leave quantization unset (or {method!r}) to run it as shipped, or 'none' to dequantize it")
     if quantization == "none":
-        logger.info("%s: quantization=none, so its compressed-tensors weights are dequantized", path)
+        logger.info("%s: quantization=none, so its %s weights are dequantized", path, method)
         return None
-    logger.info("%s: running its compressed-tensors W%dA16 weights as shipped (quantization=none dequantizes "
-                "them)", os.path.basename(os.path.normpath(path)), ct.num_bits)
-    return QuantizationConfig("compressed-tensors", ct.group_size, quantize_lm_head, bits=ct.num_bits)
+    logger.info("%s: running its %s W%dA16 weights as shipped (quantization=none dequantizes them)",
+                os.path.basename(os.path.normpath(path)), method, shipped.bits)
+    return shipped
 
 
 def load_model(

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 if TYPE_CHECKING:
     from kvflow.quantization.compressed_tensors import CompressedTensorsConfig
+    from kvflow.quantization.gptq import GPTQConfig
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
@@ -47,6 +48,7 @@ def compressed_tensors_config(hf_config: dict[str, Any]):
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
     from kvflow.quantization.compressed_tensors import CompressedTensorsConfig
+    from kvflow.quantization.gptq import GPTQConfig
 
     return CompressedTensorsConfig.from_hf(qc)
 
@@ -83,3 +85,40 @@ def iter_compressed_tensors_weights(model_dir: str, config: CompressedTensorsCon
         module, parts = next(iter(pending.items()))
         raise ValueError(f"checkpoint is incomplete: quantized layer {module} has only {', '.join(sorted(parts))} "
                          f"({len(pending)} such layer(s))")
+
+
+def gptq_config(hf_config: dict[str, Any]):
+    """The checkpoint's GPTQ quantization (parsed, unsupported settings refused), or None when
+    config.json has no quantization_config with quant_method "gptq"."""
+    qc = hf_config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "gptq":
+        return None
+    from kvflow.quantization.gptq import GPTQConfig
+
+    return GPTQConfig.from_hf(qc)
+
+
+def iter_gptq_weights(model_dir: str, config: GPTQConfig, keep_quantized: Callable[[str], bool] | None = None
+                      ) -> Iterator[tuple[str, Any]]:
+    """`iter_safetensors_weights`, with each quantized linear's qweight, qzeros, scales and g_idx
+    (separate names, possibly in different shards) buffered until the layer is complete and
+    yielded as one (`<module>.weight`, QuantizedWeight) where `keep_quantized` accepts that name,
+    else as its float32 dequantization (--quantization none)."""
+    from kvflow.quantization.gptq import PARTS, to_quantized_weight
+
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_safetensors_weights(model_dir):
+        module, _, part = name.rpartition(".")
+        if part not in PARTS:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if all(p in parts for p in PARTS):
+            weight = to_quantized_weight(module, pending.pop(module), config)
+            name = f"{module}.weight"
+            yield name, weight if keep_quantized is not None and keep_quantized(name) else weight.dequantize()
+    if pending:
+        module, parts = next(iter(pending.items()))
+        raise ValueError(f"checkpoint is incomplete: GPTQ layer {module} has only {', '.join(sorted(parts))} of "
+                         f"{', '.join(PARTS)} ({len(pending)} such layer(s))")

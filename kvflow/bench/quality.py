@@ -10,8 +10,9 @@ For each mode (the first is the baseline) the same text is scored through the en
 
 The default text is Chapter I of Lewis Carroll's "Alice's Adventures in Wonderland" (1865;
 public domain, Project Gutenberg eBook #11), shipped as kvflow/bench/data/alice_chapter1.txt:
-about 3,000 SmolLM2 tokens. A mode is a quantization name with an optional group size, e.g.
-`none,int8,int4,int4-g128,gguf`.
+about 3,000 SmolLM2 tokens. A mode is a quantization name with an optional group size, and
+optionally `+kv-int8` for the int8 KV cache (`kv-int8` alone: unquantized weights), e.g.
+`none,int8,int4,int4-g128,gguf,kv-int8,int4+kv-int8`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "alice_chapter1.txt"
 class ModeQuality:
     mode: str
     weights: str  # the plan's description of the linear layers' format
+    kv_cache_dtype: str  # the plan's KV dtype, e.g. "float32" or "int8"
     weight_bytes: int
     num_scored: int
     perplexity: float
@@ -41,18 +43,25 @@ class ModeQuality:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="none,int8,int4",
                         help="comma-separated quantization modes, the first the baseline (e.g. none,int8,int4,"
-                             "int4-g128,gguf)")
+                             "int4-g128,gguf,kv-int8,int4+kv-int8)")
     parser.add_argument("--text", default=str(DEFAULT_TEXT), help="a UTF-8 text file to score")
     parser.add_argument("--window", type=int, default=512, help="tokens per scored window")
     parser.add_argument("--json", default=None, help="also write the results here")
 
 
-def parse_mode(mode: str) -> tuple[str, int | None]:
-    """'int4-g128' -> ('int4', 128); 'int8' -> ('int8', None)."""
-    name, _, group = mode.partition("-g")
+def parse_mode(mode: str) -> tuple[str, int | None, str]:
+    """'int4-g128' -> ('int4', 128, 'auto'); 'int8' -> ('int8', None, 'auto');
+    'kv-int8' -> ('none', None, 'int8'); 'int4+kv-int8' -> ('int4', None, 'int8')."""
+    weights, kv_dtype = "none", "auto"
+    for part in mode.split("+"):
+        if part.startswith("kv-"):
+            kv_dtype = part.removeprefix("kv-")
+        else:
+            weights = part
+    name, _, group = weights.partition("-g")
     if group and not group.isdigit():
         raise ValueError(f"--modes: {mode!r}: a group size is written -g<inputs>, e.g. int4-g128")
-    return name, int(group) if group else None
+    return name, int(group) if group else None, kv_dtype
 
 
 def windows(token_ids: list[int], size: int) -> list[list[int]]:
@@ -86,8 +95,8 @@ def run(config, args: argparse.Namespace) -> list[ModeQuality]:
     baseline_top1: list[int] | None = None
     chunks = None
     for mode in modes:
-        method, group = parse_mode(mode)
-        mode_config = dataclasses.replace(config, quantization=method,
+        method, group, kv_dtype = parse_mode(mode)
+        mode_config = dataclasses.replace(config, quantization=method, kv_cache_dtype=kv_dtype,
                                           quantization_group_size=group if group is not None else
                                           (config.quantization_group_size if method in ("int8", "int4") else None))
         llm = LLM(**{f.name: getattr(mode_config, f.name) for f in dataclasses.fields(mode_config)})
@@ -99,7 +108,7 @@ def run(config, args: argparse.Namespace) -> list[ModeQuality]:
         baseline_top1 = top1 if baseline_top1 is None else baseline_top1
         agree = sum(a == b for a, b in zip(top1, baseline_top1)) / len(top1)
         plan = llm.engine.plan
-        results.append(ModeQuality(mode, plan.weight_format, plan.weight_bytes, len(logprobs),
+        results.append(ModeQuality(mode, plan.weight_format, plan.kv_dtype_name, plan.weight_bytes, len(logprobs),
                                    math.exp(-sum(logprobs) / len(logprobs)), agree, wall))
         print(_row(results[-1], results[0]), flush=True)
         del llm
@@ -113,6 +122,6 @@ def run(config, args: argparse.Namespace) -> list[ModeQuality]:
 
 def _row(r: ModeQuality, base: ModeQuality) -> str:
     delta = (r.perplexity / base.perplexity - 1) * 100
-    return (f"{r.mode:<10} {r.weights:<34} weights {r.weight_bytes / 2**20:7.1f} MiB  "
+    return (f"{r.mode:<13} {r.weights:<34} KV {r.kv_cache_dtype:<8} weights {r.weight_bytes / 2**20:7.1f} MiB  "
             f"ppl {r.perplexity:8.4f} ({delta:+6.2f} %)  top-1 agreement {r.top1_agreement:6.1%}  "
             f"{r.num_scored} tokens in {r.wall_s:.1f} s")

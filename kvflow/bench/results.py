@@ -42,11 +42,16 @@ class ThroughputResult:
 
 
 def numerics_label(engine) -> str:
-    """The activations' dtype, and the weights' quantization when there is one: what a
-    result was measured with (e.g. "float32, weights gguf (Q4_1, as shipped)")."""
+    """The activations' dtype, and the weights' quantization and KV cache dtype when they
+    differ from it: what a result was measured with (e.g. "float32, weights gguf (Q4_1, as
+    shipped), KV int8")."""
     label = str(engine.dtype).removeprefix("torch.")
     weights = engine.plan.weight_format
-    return label if weights == "none" else f"{label}, weights {weights}"
+    if weights != "none":
+        label += f", weights {weights}"
+    if engine.plan.kv_cache_dtype != "auto":
+        label += f", KV {engine.plan.kv_cache_dtype}"
+    return label
 
 
 def peak_rss_mb() -> float:

@@ -36,6 +36,13 @@ def test_quantized_run_says_its_weights(tiny, tmp_path):
     assert _load(out)["result"]["dtype"] == "float32, weights int4 (groups of 32)"
 
 
+def test_int8_kv_run_says_its_kv_dtype(tiny, tmp_path):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", tiny, *ENGINE, "--kv-cache-dtype", "int8", *SMALL,
+                 "--output", str(out)]) == 0
+    assert _load(out)["result"]["dtype"] == "float32, KV int8"
+
+
 def test_throughput_alone(tiny, tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--model", tiny, *ENGINE, *SMALL, "--output", str(out)]) == 0

@@ -12,7 +12,8 @@ from kvflow.entrypoints.cli import main
 
 
 def test_modes_and_windows():
-    assert parse_mode("int4-g128") == ("int4", 128) and parse_mode("gguf") == ("gguf", None)
+    assert parse_mode("int4-g128") == ("int4", 128, "auto") and parse_mode("gguf") == ("gguf", None, "auto")
+    assert parse_mode("kv-int8") == ("none", None, "int8") and parse_mode("int4-g64+kv-int8") == ("int4", 64, "int8")
     with pytest.raises(ValueError, match="-g<inputs>"):
         parse_mode("int4-gx")
     assert windows(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -24,7 +25,7 @@ def test_quality_of_modes_on_the_default_model(smollm2_gguf, tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(DEFAULT_TEXT.read_text()[:1500])
     out = tmp_path / "quality.json"
-    assert main(["bench", "quality", "--dtype", "float32", "--modes", "none,gguf,int8", "--text", str(text),
+    assert main(["bench", "quality", "--dtype", "float32", "--modes", "none,gguf,int8,kv-int8", "--text", str(text),
                  "--window", "128", "--json", str(out), "--kv-cache-memory", str(64 << 20),
                  "--max-model-len", "256"]) == 0
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
@@ -37,4 +38,8 @@ def test_quality_of_modes_on_the_default_model(smollm2_gguf, tmp_path, capsys):
     # int8 on top of the 4-bit weights: close, and the plan counts fewer bytes than fp32.
     assert int8["perplexity"] == pytest.approx(base["perplexity"], rel=0.05)
     assert int8["weight_bytes"] < base["weight_bytes"] / 2
+    # The int8 KV cache over float weights: within 1 % (the target), most top-1 kept.
+    kv = rows["kv-int8"]
+    assert kv["kv_cache_dtype"] == "int8" and base["kv_cache_dtype"] == "float32"
+    assert kv["perplexity"] == pytest.approx(base["perplexity"], rel=0.01) and kv["top1_agreement"] > 0.95
     assert "ppl" in capsys.readouterr().out

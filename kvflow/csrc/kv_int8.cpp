@@ -52,6 +52,60 @@ inline float half_to_float(uint16_t h) {
     return f;
 }
 
+// float32 -> IEEE binary16, rounding to nearest even as torch's .to(float16) does (subnormal
+// halves included; 65520 and above become infinity).
+inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof(x));
+    const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;
+    if (ax < 0x38800000u) {  // below 2^-14: a multiple of 2^-24 (scaling by 2^24 is exact)
+        float a;
+        std::memcpy(&a, &ax, sizeof(a));
+        return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.f));
+    }
+    return sign | static_cast<uint16_t>((ax + 0xfffu + ((ax >> 13) & 1u) - 0x38000000u) >> 13);
+}
+
+// One token's head of head_dim elements -> int8 values and their float16 scale:
+// scale = half(min(max|x| / 127, 65504)), q = clamp(round_even(x / scale), -127, 127) (0 when
+// the scale is 0): kv_int8.quantize, one head at a time.
+template <typename Dt>
+inline uint16_t quantize_head(const typename Dt::T* x, int64_t head_dim, int8_t* q) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) amax = std::fmax(amax, std::fabs(Dt::load(x[d])));
+    const uint16_t scale = float_to_half(std::fmin(amax / 127.f, 65504.f));
+    const float s = half_to_float(scale);
+    for (int64_t d = 0; d < head_dim; ++d)
+        q[d] = s > 0.f ? static_cast<int8_t>(std::fmin(std::fmax(std::nearbyint(Dt::load(x[d]) / s), -127.f), 127.f))
+                       : int8_t{0};
+    return scale;
+}
+
+template <typename Dt>
+void write_kv_int8(const typename Dt::T* k, int64_t k_stride, const typename Dt::T* v, int64_t v_stride,
+                   int8_t* key_cache, uint16_t* key_scales, int8_t* value_cache, uint16_t* value_scales,
+                   const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t block_size) {
+    const int64_t block_elems = block_size * num_kv_heads * head_dim;
+#pragma omp parallel for if (tokens * num_kv_heads * head_dim >= (1 << 16))
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t slot = slot_mapping[t], b = slot / block_size, i = slot % block_size;
+        int8_t q[1024];
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            key_scales[slot * num_kv_heads + h] = quantize_head<Dt>(k + t * k_stride + h * head_dim, head_dim, q);
+            int8_t* kblock = key_cache + b * block_elems;
+            for (int64_t d = 0; d < head_dim; ++d)
+                kblock[kvflow::key_offset<int8_t>(i, h, d, head_dim, block_size)] = q[d];
+            value_scales[slot * num_kv_heads + h] =
+                quantize_head<Dt>(v + t * v_stride + h * head_dim, head_dim,
+                                  value_cache + (slot * num_kv_heads + h) * head_dim);
+        }
+    }
+}
+
 // Rows of one sequence and one KV head: query positions [row_begin, row_end) of the flat batch.
 struct Item {
     int64_t seq, head, row_begin, row_end, keys;  // keys: how many the last row sees
@@ -102,6 +156,28 @@ void dequantize_head(const int8_t* key_cache, const uint16_t* key_scales, const 
 }  // namespace
 
 extern "C" {
+
+// The step's K and V ([tokens, num_kv_heads, head_dim] rows, k_stride / v_stride elements
+// apart; dtype 0 float32, 1 bf16) quantized into their slots with their scales. -1: a head
+// wider than 1024 or not a whole number of 4-byte key cells.
+int kvflow_write_kv_int8(int dtype, const void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                         int8_t* key_cache, uint16_t* key_scales, int8_t* value_cache, uint16_t* value_scales,
+                         const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size) {
+    if (head_dim > 1024 || head_dim % 4 != 0) return -1;
+    if (dtype == 0) {
+        write_kv_int8<kvflow::F32>(static_cast<const float*>(k), k_stride, static_cast<const float*>(v), v_stride,
+                                   key_cache, key_scales, value_cache, value_scales, slot_mapping, tokens,
+                                   num_kv_heads, head_dim, block_size);
+    } else if (dtype == 1) {
+        write_kv_int8<kvflow::BF16>(static_cast<const uint16_t*>(k), k_stride, static_cast<const uint16_t*>(v),
+                                    v_stride, key_cache, key_scales, value_cache, value_scales, slot_mapping, tokens,
+                                    num_kv_heads, head_dim, block_size);
+    } else {
+        return -2;
+    }
+    return 0;
+}
 
 // Attention of every query row of the batch: sequence s has rows [query_start[s],
 // query_start[s + 1]), the last at position seq_lens[s] - 1, each seeing the keys up to and

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvflow.layers import kv_layout
+from kvflow.layers.cpu_kernels import DTYPE_CODES, check_rc, heads_contiguous
 
 KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
 _SCALE_DTYPE = torch.float16
@@ -90,24 +91,36 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write(cache: Int8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kernels) -> None:
-    """Quantize the step's K/V [tokens, kv_heads, head_dim] into their slots."""
+    """Quantize the step's K/V [tokens, kv_heads, head_dim] into their slots: in one kernel
+    call (csrc/kv_int8.cpp, the same bits as `quantize`), else through `quantize`."""
+    tokens, num_kv_heads, head_dim = k.shape
+    if (kernels is not None and k.dtype == v.dtype and k.dtype in DTYPE_CODES and heads_contiguous(k)
+            and heads_contiguous(v) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        check_rc(_entry_point(kernels.lib, "kvflow_write_kv_int8")(
+            DTYPE_CODES[k.dtype], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache.data[0].data_ptr(),
+            cache.scales[0].data_ptr(), cache.data[1].data_ptr(), cache.scales[1].data_ptr(), slot_mapping.data_ptr(),
+            tokens, num_kv_heads, head_dim, cache.data.shape[2]), "write_kv_int8")
+        return
     (qk, sk), (qv, sv) = quantize(k), quantize(v)
     key_cache, value_cache = cache.data[0], cache.data[1]
-    if kernels is not None:
-        kernels.write_kv(qk, qv, key_cache, value_cache, slot_mapping)
-    else:
-        kv_layout.write_keys(key_cache, slot_mapping, qk)
-        value_cache.view(-1, *qv.shape[1:]).index_copy_(0, slot_mapping, qv)
-    num_kv_heads = k.shape[1]
+    kv_layout.write_keys(key_cache, slot_mapping, qk)
+    value_cache.view(-1, *qv.shape[1:]).index_copy_(0, slot_mapping, qv)
     cache.scales[0].view(-1, num_kv_heads).index_copy_(0, slot_mapping, sk)
     cache.scales[1].view(-1, num_kv_heads).index_copy_(0, slot_mapping, sv)
 
 
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "kvflow_paged_attention_int8": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                                    _I64, _I64, _I64, ctypes.c_float],
+    "kvflow_write_kv_int8": [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+}
+
+
 @functools.cache
-def _entry_point(lib: ctypes.CDLL):
-    fn = lib.kvflow_paged_attention_int8
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+def _entry_point(lib: ctypes.CDLL, name: str):
+    fn = getattr(lib, name)
+    fn.argtypes = _SIGNATURES[name]
     fn.restype = ctypes.c_int
     return fn
 
@@ -116,11 +129,13 @@ def paged_attention(kernels, q: torch.Tensor, cache: Int8KVCache, meta, scale: f
     """Every query row of the step against its sequence's cached keys (its own included),
     through the compiled kernel. q [T, heads, head_dim] in any float dtype; the result is in
     q's dtype (computed in float32)."""
-    q32 = q.float().contiguous()
+    q32 = q.float()
+    if not heads_contiguous(q32):
+        q32 = q32.contiguous()
     out = torch.empty(q32.shape, dtype=torch.float32)
     _, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
     tables = meta.block_tables.contiguous()
-    rc = _entry_point(kernels.lib)(
+    rc = _entry_point(kernels.lib, "kvflow_paged_attention_int8")(
         q32.data_ptr(), q32.stride(0), cache.data[0].data_ptr(), cache.scales[0].data_ptr(), cache.data[1].data_ptr(),
         cache.scales[1].data_ptr(), tables.data_ptr(), tables.stride(0), meta.query_start_tensor.data_ptr(),
         meta.seq_lens_tensor.data_ptr(), out.data_ptr(), out.stride(0), meta.num_seqs, q.shape[1], num_kv_heads,

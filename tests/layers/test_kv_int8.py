@@ -48,6 +48,26 @@ def test_quantize_matches_the_format_and_stays_within_half_a_step():
     assert q.abs().max() == 127
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_write_equals_quantize_over_a_wide_range(kernels, dtype):
+    """Scales from float16's subnormals (heads of 1e-9) to its overflow (1e7), zero heads, and
+    K/V as row-strided views of one fused tensor, as the model passes them."""
+    torch.manual_seed(1)
+    tokens, heads, dim, block_size = 300, 3, 64, 16
+    magnitude = torch.logspace(-9, 7, tokens)[:, None, None]
+    fused = (torch.randn(tokens, 2 * heads * dim) * magnitude.view(tokens, 1)).to(dtype)
+    fused[5] = 0
+    k, v = fused[:, : heads * dim].view(tokens, heads, dim), fused[:, heads * dim :].view(tokens, heads, dim)
+    slots = torch.randperm(32 * block_size)[:tokens]
+    caches = [CPUAttentionBackend().allocate_kv_caches(1, 32, block_size, heads, dim, dtype, "int8")[0] for _ in range(2)]
+    kv_int8.write(caches[0], k, v, slots, kernels)
+    kv_int8.write(caches[1], k, v, slots, None)
+    assert torch.equal(caches[0].data, caches[1].data)
+    assert torch.equal(caches[0].scales.view(torch.int16), caches[1].scales.view(torch.int16))
+    ref_q, ref_scale = reference_quantize(k.float().clamp(-65504 * 127, 65504 * 127))
+    assert torch.equal(caches[0].scales[0].view(-1, heads)[slots], ref_scale)
+
+
 def build(num_heads: int, num_kv_heads: int, block_size: int, head_dim: int = 64, seed: int = 0):
     """A step over an int8 cache whose context was written earlier; returns (backend, cache,
     meta, q, k, v)."""

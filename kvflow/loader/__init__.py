@@ -24,7 +24,7 @@ from kvflow.models import build_model
 from kvflow.quantization.apply import quantize_model
 from kvflow.quantization.methods import quantize
 from kvflow.quantization.config import HF_SHIPPED, SHIPPED, QuantizationConfig
-from kvflow.quantization.gguf import SHIPPED_TYPES
+from kvflow.quantization.gguf import SHIPPED_NAMES
 from kvflow.quantization.qweight import QuantizedWeight
 
 logger = logging.getLogger("kvflow")
@@ -107,9 +107,9 @@ def resolve_quantization(path: str, quantization: str | None, group_size: int | 
     from kvflow.loader.gguf_loader import linear_weight_types
 
     gguf_types = linear_weight_types(path)
-    shipped = sorted(kind for kind in gguf_types if kind in {name for name, _ in SHIPPED_TYPES.values()})
+    shipped = sorted(kind for kind in gguf_types if kind in SHIPPED_NAMES)
     if config is not None and config.method == "gguf" and not shipped:
-        raise ValueError(f"quantization: gguf runs a GGUF file's {'/'.join(n for n, _ in SHIPPED_TYPES.values())} "
+        raise ValueError(f"quantization: gguf runs a GGUF file's {'/'.join(SHIPPED_NAMES)} "
                          f"weights as shipped, and {path} has none ({', '.join(gguf_types) or 'not a GGUF file'})")
     if quantization is None and shipped:
         if str(dtype) != "auto":

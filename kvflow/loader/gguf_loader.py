@@ -23,7 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvflow.quantization.gguf import SHIPPED_TYPES, from_gguf_blocks
+from kvflow.quantization.gguf import SHIPPED_NAMES, SHIPPED_TYPES, from_gguf_blocks
 from kvflow.quantization.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -341,7 +341,7 @@ def iter_gguf_weights(
     for kind, count in dequantized.items():
         logger.warning("%s: %d weights stored as %s have no kvflow kernel; they were dequantized to run "
                        "unquantized (kernels run %s as shipped)", path, count, kind,
-                       ", ".join(name for name, _ in SHIPPED_TYPES.values()))
+                       ", ".join(SHIPPED_NAMES))
 
 
 def linear_weight_types(path: str) -> dict[str, int]:

@@ -192,22 +192,16 @@ class LlamaForCausalLM(nn.Module):
             self._set_quantized(name, shards)
 
     def _set_quantized(self, name: str, shards: dict[int, QuantizedWeight]) -> None:
-        """The layer runs on its stacked quantized shards; shards of different formats (a
-        file that mixes types within one fused projection) are dequantized instead."""
+        """The layer runs on its stacked quantized shards (widened to one format where a file
+        mixes types within one fused projection: `cat_rows`)."""
         module = self.get_submodule(name.removesuffix(".weight"))
         if not name.endswith(".weight") or not isinstance(module, Linear):
             raise ValueError(f"checkpoint gives {name!r} quantized, but only linear weights can be")
-        param = module.weight
         ordered = [shards[i] for i in sorted(shards)]
-        if all(s.format() == ordered[0].format() for s in ordered):
-            module.set_quantized(cat_rows(ordered))
-            return
-        logger.warning("%s: its shards are quantized differently (%s); dequantized to %s", name,
-                       ", ".join(s.source for s in ordered), param.dtype)
-        offset = 0
-        for shard in ordered:
-            param.data.narrow(0, offset, shard.out_features).copy_(shard.dequantize(param.dtype))
-            offset += shard.out_features
+        if any(s.format() != ordered[0].format() for s in ordered):
+            logger.info("%s: shards quantized as %s run stacked as int8 (lossless)", name,
+                        ", ".join(s.source for s in ordered))
+        module.set_quantized(cat_rows(ordered))
 
     def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
         cfg = self.config

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 METHODS = ("none", "int8", "int4", "gguf", "compressed-tensors", "gptq")
 SHIPPED = ("gguf", "compressed-tensors", "gptq")  # the checkpoint fixes the format; nothing is quantized at load
 HF_SHIPPED = ("compressed-tensors", "gptq")  # formats of a Hugging Face checkpoint's config.json
-GGUF_BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
+# What kvflow holds per weight for each GGUF type (the K-quants' 5- and 6-bit values take a
+# byte, and every sub-block a float32 scale and offset).
+GGUF_BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 0.5 + 8 / 32,
+                         "Q5_K": 1 + 8 / 32, "Q6_K": 1 + 4 / 16}
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 32
 

@@ -17,7 +17,8 @@ along N (`cat_rows`) and llama.cpp's q/k row permutation is undone by permuting 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,6 +71,18 @@ class QuantizedWeight:
             w = w + self.offsets.unsqueeze(-1)
         return w.reshape(self.shape).to(dtype)
 
+    def widened(self, group_size: int) -> "QuantizedWeight":
+        """The same weights as int8 values with a scale and an offset (zero where this has none)
+        per `group_size` inputs, a divisor of this weight's group: q * scale + offset stays the
+        same two operations on the same numbers, so the kernel's weights are unchanged."""
+        if self.group_size % group_size:
+            raise ValueError(f"widened: {group_size} does not divide the group size {self.group_size}")
+        repeat = self.group_size // group_size
+        q = self.qweight if self.bits == 8 else self.int_values().to(torch.int8)
+        scales = self.scales.repeat_interleave(repeat, dim=1)
+        offsets = torch.zeros_like(scales) if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1)
+        return QuantizedWeight(q, scales, offsets, 8, group_size, self.in_features, self.source)
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The same weight with output rows reordered (`index` into rows)."""
         return QuantizedWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(),
@@ -78,11 +91,21 @@ class QuantizedWeight:
 
 
 def cat_rows(shards: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack shards along the output dimension (a fused QKV or gate/up projection)."""
+    """Stack shards along the output dimension (a fused QKV or gate/up projection).
+
+    Shards of different formats (a GGUF Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k)
+    are first widened, losslessly, to one: int8 values with a scale and offset per the largest
+    group that divides every shard's (`widened`). The stacked rows cost more bytes than the
+    narrowest shard, but no weight changes and none runs in float."""
     first = shards[0]
+    if any(s.in_features != first.in_features for s in shards):
+        raise ValueError("cannot stack quantized shards of different input sizes: "
+                         + ", ".join(f"{s.source} {s.shape}" for s in shards))
     if any(s.format() != first.format() for s in shards):
-        raise ValueError("cannot stack quantized shards of different formats: "
-                         + ", ".join(s.source for s in shards))
+        group = math.gcd(*(s.group_size for s in shards))
+        sources = "+".join(dict.fromkeys(s.source for s in shards))
+        shards = [replace(s.widened(group), source=sources) for s in shards]
+        first = shards[0]
     offsets = None if first.offsets is None else torch.cat([s.offsets for s in shards])
     return QuantizedWeight(torch.cat([s.qweight for s in shards]), torch.cat([s.scales for s in shards]), offsets,
                            first.bits, first.group_size, first.in_features, first.source)

@@ -46,8 +46,14 @@ def test_shards_stack_along_outputs():
     both = cat_rows([a, b])
     assert both.shape == (12, 64)
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    with pytest.raises(ValueError, match="different formats"):
-        cat_rows([a, quantize_int8(torch.randn(4, 64))])
+    # Shards of different formats are widened to int8 with the groups' gcd, losslessly.
+    c = quantize_int8(torch.randn(4, 64), 32)
+    d = quantize_int8(torch.randn(2, 64))  # per channel: one group of 64
+    mixed = cat_rows([a, c, d])
+    assert (mixed.bits, mixed.group_size, mixed.source) == (8, 32, "int4+int8")
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize(), d.dequantize()]))
+    with pytest.raises(ValueError, match="different input sizes"):
+        cat_rows([a, quantize_int4(torch.randn(4, 96))])
 
 
 @pytest.mark.parametrize(("args", "message"), [

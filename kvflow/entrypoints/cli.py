@@ -45,7 +45,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="HF model directory, config.json, or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--quantization", "-q", default=None,
-                   help="weights: int8 (per channel), int4 (per group), gguf (a GGUF file's own Q8_0/Q4_0/Q4_1), "
+                   help="weights: int8 (per channel), int4 (per group), gguf (a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K), "
                         "compressed-tensors or gptq (a checkpoint's own W4A16/W8A16) or none; default: a "
                         "compressed-tensors or GPTQ checkpoint's own, a GGUF file's own when --dtype is auto, else none")
     g.add_argument("--quantization-group-size", type=int, default=None,

@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean browser
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -26,8 +26,16 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/kvflow serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PYTHON) -m pytest -q $(ARGS)
+
+# Debian's chromium, for the dashboard's browser test (tests/entrypoints/test_dashboard_browser.py),
+# installed where the machine allows it; elsewhere that test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+		|| ( (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)) >/dev/null 2>&1 ) \
+		|| ( (sudo -n apt-get install -y -q chromium || (sudo -n apt-get update -q && sudo -n apt-get install -y -q chromium)) >/dev/null 2>&1 ) \
+		|| echo "chromium could not be installed: the dashboard's browser test will skip"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

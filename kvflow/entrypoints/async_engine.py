@@ -113,6 +113,14 @@ class _AddCommand:
 
 
 @dataclass
+class _CallCommand:
+    """Run `fn(engine)` on the engine thread between two steps (a consistent read of its state)."""
+
+    fn: Any
+    future: asyncio.Future
+
+
+@dataclass
 class _AbortCommand:
     request_id: str
     stream: "RequestStream | None" = None  # when set, abort only if the id still belongs to this stream
@@ -133,7 +141,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.num_step_errors = 0
         self._cond = threading.Condition()
-        self._commands: list[_AddCommand | _AbortCommand] = []
+        self._commands: list[_AddCommand | _AbortCommand | _CallCommand] = []
         self._closed = False  # set under _cond once the thread stops taking commands
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._stats: EngineStats = engine.get_stats()
@@ -169,6 +177,14 @@ class AsyncEngine:
         return self._stats
 
     # ---- the asyncio side ------------------------------------------------------------------
+    async def call(self, fn: Any) -> Any:
+        """`fn(engine)` run on the engine thread before its next step, and its result: how a
+        reader (the dashboard's pool snapshot) sees the engine's state whole, never mid-step."""
+        self._check_alive()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._submit(_CallCommand(fn, future))
+        return await future
+
     async def add_request(
         self,
         request_id: str,
@@ -214,7 +230,7 @@ class AsyncEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, cmd: _AddCommand) -> None:
+    def _submit(self, cmd: _AddCommand | _CallCommand) -> None:
         with self._cond:
             if self._closed:  # the thread stopped after _check_alive: nobody would resolve the future
                 raise EngineDeadError("the engine is shut down")
@@ -248,7 +264,14 @@ class AsyncEngine:
         finally:
             self._fail_all(EngineDeadError("the engine shut down while the request was running"))
 
-    def _apply(self, cmd: _AddCommand | _AbortCommand) -> None:
+    def _apply(self, cmd: _AddCommand | _AbortCommand | _CallCommand) -> None:
+        if isinstance(cmd, _CallCommand):
+            try:
+                result, error = cmd.fn(self.engine), None
+            except Exception as exc:  # the caller's bug: its own future fails, the engine goes on
+                result, error = None, exc
+            _resolve(cmd.future, error, result)
+            return
         if isinstance(cmd, _AbortCommand):
             if cmd.stream is not None and self._streams.get(cmd.request_id) is not cmd.stream:
                 return  # the id now belongs to another request (or this one already finished)
@@ -319,7 +342,7 @@ class AsyncEngine:
             self._closed = True
             pending, self._commands = self._commands, []
         for cmd in pending:
-            if isinstance(cmd, _AddCommand):
+            if isinstance(cmd, (_AddCommand, _CallCommand)):
                 _resolve(cmd.future, EngineDeadError("the engine is shut down"))
         self._deliver(deliveries)
 
@@ -338,14 +361,14 @@ def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -
         stream.put(item)
 
 
-def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
-    """Complete an add_request future from the engine thread."""
+def _resolve(future: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
+    """Complete a command's future from the engine thread."""
 
     def finish() -> None:
         if future.done():  # the caller was cancelled; its abort command cleans up
             return
         if exc is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(exc)
 

@@ -11,7 +11,9 @@ the engine's running totals since the previous scrape.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -73,6 +75,7 @@ class ServerMetrics:
         self._spec: _SpecDecodeMetrics | None = None  # registered once speculation reports (only when on)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
+        self.recent = RecentLatencies()
 
     def refresh(self, stats: EngineStats) -> None:
         """Bring the gauges and counters up to date with the engine's latest snapshot."""
@@ -132,6 +135,44 @@ class _SpecDecodeMetrics:
         self._last = copy.deepcopy(stats)
 
 
+class RecentLatencies:
+    """The last few minutes of TTFT and ITL observations, for the dashboard's charts (the
+    histograms above hold everything since start, which a chart of "now" cannot use)."""
+
+    def __init__(self, window_s: float = 300.0, max_samples: int = 50_000) -> None:
+        self.window_s = window_s
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._itl: deque[tuple[float, float, int]] = deque(maxlen=max_samples)  # (time, gap, tokens)
+
+    def add_ttft(self, when: float, seconds: float) -> None:
+        self._ttft.append((when, seconds))
+
+    def add_itl(self, when: float, seconds: float, tokens: int) -> None:
+        self._itl.append((when, seconds, tokens))
+
+    def series(self, now: float, bucket_s: float = 5.0) -> dict[str, list]:
+        """Per `bucket_s` slice of the window, oldest first: median TTFT and ITL (seconds, None
+        for an empty slice) and generated tokens per second."""
+        num = int(self.window_s // bucket_s)
+        start = now - num * bucket_s
+        ttft: list[list[float]] = [[] for _ in range(num)]
+        itl: list[list[float]] = [[] for _ in range(num)]
+        tokens = [0] * num
+        for when, value in self._ttft:
+            if when >= start:
+                i = min(int((when - start) // bucket_s), num - 1)
+                ttft[i].append(value)
+                tokens[i] += 1
+        for when, value, count in self._itl:
+            if when >= start:
+                i = min(int((when - start) // bucket_s), num - 1)
+                itl[i].append(value)
+                tokens[i] += count
+        median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        return {"bucket_s": bucket_s, "ttft_p50": [median(x) for x in ttft], "itl_p50": [median(x) for x in itl],
+                "tokens_per_s": [n / bucket_s for n in tokens]}
+
+
 @dataclass
 class RequestTracker:
     """Feeds one request's latencies into the histograms as its outputs arrive."""
@@ -148,6 +189,7 @@ class RequestTracker:
         if self.num_tokens == 0:
             first = t.first_token_time or now
             m.ttft.observe(max(first - t.arrival_time, 0.0))
+            m.recent.add_ttft(first, max(first - t.arrival_time, 0.0))
             if t.first_scheduled_time is not None:
                 m.queue.observe(max(t.first_scheduled_time - t.arrival_time, 0.0))
             self.last_token_time = first
@@ -156,6 +198,7 @@ class RequestTracker:
             gap = max(now - self.last_token_time, 0.0) / new
             for _ in range(new):
                 m.itl.observe(gap)
+            m.recent.add_itl(now, gap, new)
             self.last_token_time = now
         self.num_tokens = len(out.outputs[0].token_ids)
         if out.finished and not self.done:

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.dashboard import register_dashboard
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, error_response
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.outputs import RequestOutput
@@ -354,4 +355,5 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
         return await server.chat(body, raw)
 
+    register_dashboard(app, engine, metrics, served_model_name)
     return app

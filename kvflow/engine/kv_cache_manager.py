@@ -140,17 +140,34 @@ class KVCacheManager:
         Only whole blocks within `seq.num_prefix_cacheable_tokens`: never the last token
         (its logits are sampled), nor prompt positions whose prompt logprobs are still due.
         """
-        if not self.enable_prefix_caching:
-            return []
         max_blocks = seq.num_prefix_cacheable_tokens // self.block_size
         bs, hits = self.block_size, []
-        hashes = self._chain_hashes(seq, max_blocks)
-        for i, h in enumerate(hashes[:max_blocks]):
-            block = self.pool.lookup(h, seq.token_slice(i * bs, (i + 1) * bs), hashes[i - 1] if i else None)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        if self.enable_prefix_caching:
+            hashes = self._chain_hashes(seq, max_blocks)
+            for i, h in enumerate(hashes[:max_blocks]):
+                block = self.pool.lookup(h, seq.token_slice(i * bs, (i + 1) * bs), hashes[i - 1] if i else None)
+                if block is None:
+                    break
+                hits.append(block)
+        shared = self._sibling_prompt_blocks(seq, max_blocks)
+        return shared if len(shared) > len(hits) else hits
+
+    def _sibling_prompt_blocks(self, seq: Sequence, max_blocks: int) -> list[KVBlock]:
+        """The longest run of full prompt blocks another sample of the same request holds, computed.
+
+        Parallel samples share one prompt, so these blocks hold exactly this sequence's K/V; taking
+        them by reference is what shares the prompt when the prefix cache is off (or evicted it).
+        Only whole blocks inside the prompt: nobody writes to them again, so sharing needs no copy.
+        """
+        limit = min(max_blocks, seq.num_prompt_tokens // self.block_size)
+        best: list[int] = []
+        for other in seq.siblings:
+            table = self.block_tables.get(other.request_id) if other is not seq else None
+            if table:
+                k = min(limit, other.num_computed_tokens // self.block_size, len(table))
+                if k > len(best):
+                    best = table[:k]
+        return [self.pool.blocks[b] for b in best]
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += num_prompt_tokens

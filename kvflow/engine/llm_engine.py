@@ -28,6 +28,7 @@ from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan, plan_kv_cache
 from kvflow.engine.model_runner import ModelRunner, SampledTokens
+from kvflow.engine.parallel_sampling import SampleGroup, SampleGroups, prompt_tokens_computed
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.layers.attention import get_attn_backend
@@ -58,6 +59,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     computed_tokens: int = 0
+    prefill_tokens: int = 0  # prompt positions computed (prefix hits and shared samples excluded)
     spec_decode: SpecDecodeStats | None = None  # None when speculative decoding is off
 
 
@@ -69,6 +71,8 @@ class _Request:
     cumulative_logprob: float = 0.0
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    group: SampleGroup | None = field(default=None, repr=False)  # n > 1: the request this sample belongs to
+    index: int = 0  # the sample's index in the request
 
 
 class LLMEngine:
@@ -137,10 +141,12 @@ class LLMEngine:
                     max_catch_up_tokens=config.max_num_batched_tokens,
                     quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype))
             self.speculator = Speculator(spec, self.max_model_len, draft)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # by sequence id (a sample's own id when n > 1)
+        self.sample_groups = SampleGroups()  # requests with n > 1, by request id
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # every token that went through the model (prefix hits excluded)
+        self.prefill_tokens_total = 0  # prompt positions among them
         logger.info(
             "kvflow: loaded %s (%s) in %.1f s\n%s\n%s",
             path, self.model_config.architecture, time.perf_counter() - start, self.plan.describe(),
@@ -187,7 +193,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.sample_groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
@@ -201,13 +207,29 @@ class LLMEngine:
                 f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
-        seq = Sequence(request_id, token_ids, params, arrival_time=arrival_time or time.time(), priority=priority, prompt=text)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if self.tokenizer else None
-        self._requests[request_id] = _Request(seq, detok)
-        self.scheduler.add(seq)
+        arrival_time = arrival_time or time.time()
+
+        def make(seq_id: str, p: SamplingParams, index: int = 0) -> _Request:
+            seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text)
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, p.skip_special_tokens) if self.tokenizer else None
+            return _Request(seq, detok, index=index)
+
+        if params.n > 1:  # parallel sampling: k sequences over one prompt (engine/parallel_sampling.py)
+            self.sample_groups.add_request(request_id, params, make, self._requests, self.scheduler,
+                                           self.config.max_num_seqs)
+            return
+        req = self._requests[request_id] = make(request_id, params)
+        self.scheduler.add(req.seq)
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks now. Returns False if it was not running."""
+        """Stop a request (every sample of it) and free its blocks now. Returns False if it was not running."""
+        req = self._requests.get(request_id)
+        group = self.sample_groups.pop(req.group.request_id if req and req.group else request_id)
+        if group is not None:
+            return any([self._abort_sequence(r.seq.request_id) for r in group.samples])
+        return self._abort_sequence(request_id)
+
+    def _abort_sequence(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
@@ -218,7 +240,11 @@ class LLMEngine:
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request is still known to the engine (waiting or running)."""
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self.sample_groups
+
+    def running_request_ids(self) -> list[str]:
+        """The requests in the running batch, by the ids they were added with (n > 1: once)."""
+        return self.sample_groups.request_ids(self.scheduler.running, self._requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -234,6 +260,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         result = self.runner.execute(sched)
+        self.prefill_tokens_total += prompt_tokens_computed(sched)  # before num_computed_tokens moves on
         for entries in result.prompt_logprobs:  # before the outputs, which carry them
             entries.append_to_sequence()
         sampled = result.sampled
@@ -258,14 +285,17 @@ class LLMEngine:
         # After the append, so that blocks completed by accepted drafts hash the right tokens;
         # before finishing, so that a finished sequence's last full blocks are still published.
         self.scheduler.update_after_step(sched, num_rejected)
+        self.sample_groups.release_ready(self.scheduler)  # samples whose request's prompt is now computed
         self.computed_tokens_total += sched.num_batched_tokens  # rejected drafts included: they cost compute
         for req, status in stopped:
             self.scheduler.finish(req.seq, status)
             if self.speculator is not None:
                 self.speculator.forget(req.seq.request_id)
-        outputs = [self._make_output(req) for req in advanced]
+        outputs = self.sample_groups.outputs(advanced, self._make_output)
         for req, _ in stopped:
             del self._requests[req.seq.request_id]
+            if req.group is not None and req.group.finished:
+                self.sample_groups.pop(req.group.request_id)
         return outputs
 
     def _append_tokens(self, req: _Request, result: SampledTokens, now: float) -> SequenceStatus | None:
@@ -277,7 +307,8 @@ class LLMEngine:
         seq = req.seq
         if seq.first_token_time is None:
             seq.first_token_time = now
-            self.prompt_tokens_total += seq.num_prompt_tokens
+            if req.index == 0:  # a prompt counts once, however many samples it has
+                self.prompt_tokens_total += seq.num_prompt_tokens
         prev_len = len(req.text)
         req.new_token_ids = []
         status = None
@@ -366,6 +397,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
             computed_tokens=self.computed_tokens_total,
+            prefill_tokens=self.prefill_tokens_total,
             spec_decode=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
         )
 

@@ -73,9 +73,12 @@ class Scheduler:
         self._arrivals = 0
 
     # ---- requests in and out ---------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        seq.arrival_index = self._arrivals
-        self._arrivals += 1
+    def add(self, seq: Sequence, arrival_index: int | None = None) -> None:
+        """Queue a sequence; `arrival_index` keeps an earlier place in line (a parallel sample
+        released after its request's prompt was computed is served in its request's turn)."""
+        if arrival_index is None:
+            arrival_index, self._arrivals = self._arrivals, self._arrivals + 1
+        seq.arrival_index = arrival_index
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 

@@ -58,6 +58,10 @@ class Sequence:
     # rank there. Filled chunk by chunk as the prompt is computed, each entry exactly once.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_token_ranks: list[int | None] = field(default_factory=list)
+    # Parallel sampling (SamplingParams.n > 1): every sample of the request, this one included, in
+    # index order (one list shared by the samples). Admission may take a sibling's computed prompt
+    # blocks by reference, so the prompt is computed once even without the prefix cache.
+    siblings: list["Sequence"] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

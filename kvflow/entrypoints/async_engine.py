@@ -314,7 +314,7 @@ class AsyncEngine:
         """Fail the requests the failed step was running; the waiting ones keep their turn."""
         self.num_step_errors += 1
         logger.exception("kvflow engine step failed; failing the requests in the batch")
-        running = [seq.request_id for seq in self.engine.scheduler.running]
+        running = self.engine.running_request_ids()  # a request with n > 1 runs as several sequences
         # Requests that finished earlier in the failed step are gone from the engine, but their
         # final output was lost with the exception: they must hear of the failure too.
         orphans = [rid for rid in self._streams if not self.engine.has_request(rid)]

@@ -21,6 +21,10 @@ from typing import Any, Mapping
 _GREEDY_EPS = 1e-5
 # The OpenAI API caps top logprobs at 20; vLLM does the same by default.
 MAX_LOGPROBS = 20
+# Parallel samples per request: OpenAI's own limit for `n`. Each sample is a sequence of its own
+# (a KV tail, a scheduler slot), so an absurd n is refused here rather than queued; the engine
+# also refuses an n above its max_num_seqs, since the samples could never all run at once.
+MAX_N = 128
 
 
 def _is_int(value: object) -> bool:
@@ -145,8 +149,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}")
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n != 1:
-            raise ValueError(f"n must be 1 (only n=1 is supported for now), got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

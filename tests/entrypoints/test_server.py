@@ -247,8 +247,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "temperature": -0.5}, "temperature"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 2}, "n"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [1] * 2100}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [10**7]}, "prompt"),  # refused by the engine thread
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, "messages"),
@@ -352,7 +352,8 @@ def test_metrics(live_server, http):
              "request_time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
              "request_queue_time_seconds_count", "num_requests_running", "num_requests_waiting",
              "kv_cache_usage_perc", "prefix_cache_queries_total", "prefix_cache_hits_total",
-             "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "request_success_total"]
+             "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+             "prefill_tokens_total"]
     main = _samples(http.get("/metrics").text)
     assert all("kvflow:" + n in main for n in names), sorted(main)
     # A fresh app on the same engine counts only its own requests.

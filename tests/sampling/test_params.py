@@ -33,7 +33,11 @@ def test_normalisation() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 10**6}, "n"),
+        ({"n": 2.0}, "n"),
+        ({"n": True}, "n"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
@@ -71,9 +75,10 @@ def test_validation_error_names_parameter(kwargs: dict, name: str) -> None:
     assert str(info.value).split(" ")[0] == name
 
 
-def test_n_message_says_only_one_supported() -> None:
-    with pytest.raises(ValueError, match="only n=1"):
-        SamplingParams(n=3)
+def test_n_range() -> None:
+    assert SamplingParams(n=3).n == 3 and SamplingParams(n=128).n == 128
+    with pytest.raises(ValueError, match=re.escape("n must be an int in [1, 128], got 1000000")):
+        SamplingParams(n=10**6)
 
 
 def test_top_p_message_format() -> None:

@@ -39,6 +39,8 @@ _COUNTERS = (
     ("num_preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests that produced a first token."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
+    ("prefill_tokens", "prefill_tokens", "Prompt tokens the model computed: prefix-cache hits and prompt blocks "
+     "shared by parallel samples excluded, prompts recomputed after a preemption included."),
 )
 
 

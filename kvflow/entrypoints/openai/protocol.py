@@ -132,23 +132,13 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt or a batch (choices.prompt_list)
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None  # only None or n: every sample drawn is returned (choices.check_best_of)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a string or token ids); batches of prompts are refused."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) > 1:
-                raise InvalidRequestError("only one prompt per request is supported yet", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not prompt:
-            raise InvalidRequestError("prompt: the prompt is empty", param="prompt")
-        return prompt
 
 
 class TextPart(OpenAIModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import secrets
 import time
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.dashboard import register_dashboard
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, error_response
@@ -176,71 +178,85 @@ class OpenAIServer:
             raise ClientDisconnected()
         return final
 
-    def logprob_args(self, out: RequestOutput, new_only: bool) -> tuple[list[int], list[dict[int, float]]]:
-        comp = out.outputs[0]
-        ids, lps = comp.token_ids, comp.logprobs or []
-        if new_only:
-            n = len(out.new_token_ids)
-            ids, lps = ids[len(ids) - n:], lps[len(lps) - n:]
-        return ids, lps
-
     def prompt_logprobs(self, out: RequestOutput) -> p.PromptLogprobs | None:
         if out.prompt_logprobs is None or out.prompt_token_ranks is None:
             return None
         return p.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, out.prompt_token_ranks, self.decode_token)
 
+    def echo_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else "".join(self.decode_token(t) for t in ids)
+
     # ---- /v1/completions ------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, raw: Request) -> Response:
+        """One engine request per prompt (a list of prompts is a batch), n samples each (choices.py)."""
         self.check_model(body.model)
-        text, ids = self.tokenize_prompt(body.single_prompt())
-        if body.echo and body.logprobs is not None:
-            raise p.InvalidRequestError("echo with logprobs is not supported; prompt_logprobs scores the prompt",
-                                        param="echo")
-        params = self.sampling_params(body, len(ids))
-        stream = await self.submit("cmpl", text, ids, params, body.priority)
-        echo = ""
-        if body.echo:
-            echo = text if text is not None else "".join(self.decode_token(t) for t in ids)
+        prompts = [self.tokenize_prompt(prompt) for prompt in c.prompt_list(body.prompt)]
+        params = [self.sampling_params(body, len(ids)) for _, ids in prompts]
+        c.check_best_of(body.best_of, params[0].n)
+        if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs: the engine scores it
+            params = [c.with_prompt_logprobs(sp, body.logprobs) for sp in params]
+        request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority)
+        echoes = [self.echo_text(text, ids) if body.echo else "" for text, ids in prompts]
         if body.stream:
-            return _sse_response(self._completion_events(stream, raw, body, params, len(ids), echo))
-        out = await self.final_output(stream, raw)
-        comp = out.outputs[0]
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = p.completion_logprobs(*self.logprob_args(out, False), params.logprobs, self.decode_token)
-        choice = p.CompletionResponseChoice(text=echo + comp.text, logprobs=logprobs, finish_reason=comp.finish_reason,
-                                            stop_reason=comp.stop_reason, prompt_logprobs=self.prompt_logprobs(out))
-        resp = p.CompletionResponse(id=stream.request_id, model=self.model_name, choices=[choice],
-                                    usage=p.UsageInfo.of(len(ids), len(comp.token_ids)))
+            return _sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
+        outs = await c.gather_all([self.final_output(stream, raw) for stream in streams], streams)
+        n, k = params[0].n, params[0].logprobs
+        choices = []
+        for i, out in enumerate(outs):
+            for comp in out.outputs:
+                logprobs = None
+                if k is not None:
+                    logprobs = p.completion_logprobs(comp.token_ids, comp.logprobs or [], k, self.decode_token,
+                                                     len(echoes[i]))
+                    if body.echo:
+                        logprobs = c.joined(c.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k,
+                                                            self.decode_token), logprobs)
+                choices.append(p.CompletionResponseChoice(
+                    index=i * n + comp.index, text=echoes[i] + comp.text, logprobs=logprobs,
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                    prompt_logprobs=self.prompt_logprobs(out) if body.prompt_logprobs is not None else None))
+        resp = p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                    usage=c.usage([len(ids) for _, ids in prompts], outs))
         return _json(resp)
 
-    async def _completion_events(self, stream: RequestStream, raw: Request, body: p.CompletionRequest,
-                                 params: SamplingParams, prompt_len: int, echo: str) -> AsyncIterator[str]:
-        created, streamer, offset, completion_tokens = int(time.time()), TextStreamer(params.stop), 0, 0
+    async def _completion_events(self, request_id: str, streams: list[RequestStream], raw: Request,
+                                 body: p.CompletionRequest, params: SamplingParams,
+                                 prompts: list[tuple[str | None, list[int]]], echoes: list[str]) -> AsyncIterator[str]:
+        created, k = int(time.time()), params.logprobs
+        states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
 
-        def chunk(text: str, **kw: Any) -> str:
-            choice = p.CompletionChoice(text=text, **kw)
-            return _sse(p.CompletionStreamResponse(id=stream.request_id, created=created, model=self.model_name,
+        def chunk(index: int, text: str, **kw: Any) -> str:
+            choice = p.CompletionChoice(index=index, text=text, **kw)
+            return _sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                    choices=[choice]))
 
         try:
-            if echo:
-                yield chunk(echo)
-            async for out in self.outputs(stream, raw):
-                comp = out.outputs[0]
-                completion_tokens = len(comp.token_ids)
-                delta = streamer.delta(comp.text, out.finished)
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = p.completion_logprobs(*self.logprob_args(out, True), params.logprobs,
-                                                     self.decode_token, offset)
-                    offset += sum(len(t) for t in logprobs.tokens)
-                if delta or logprobs is not None or out.finished:
-                    yield chunk(delta, logprobs=logprobs, finish_reason=comp.finish_reason if out.finished else None,
-                                stop_reason=comp.stop_reason if out.finished else None)
+            if body.echo and k is None:
+                for i, j in itertools.product(range(len(prompts)), range(params.n)):
+                    yield chunk(states.index(i, j), echoes[i])
+            async with c.merging([self.outputs(stream, raw) for stream in streams]) as items:
+                async for i, out in items:
+                    for comp in out.outputs:
+                        state, index = states.get(i, comp.index), states.index(i, comp.index)
+                        if body.echo and k is not None and not state.echoed:  # prompt logprobs came with this output
+                            state.echoed, state.text_offset = True, len(echoes[i])
+                            yield chunk(index, echoes[i], logprobs=c.echo_logprobs(
+                                out.prompt_token_ids, out.prompt_logprobs, k, self.decode_token))
+                        was_done = state.done
+                        delta, ids, lps = state.advance(comp)
+                        finished = state.done and not was_done
+                        logprobs = None
+                        if k is not None and ids:
+                            logprobs = p.completion_logprobs(ids, lps, k, self.decode_token, state.text_offset)
+                            state.text_offset += sum(len(t) for t in logprobs.tokens)
+                        if delta or logprobs is not None or finished:
+                            yield chunk(index, delta, logprobs=logprobs,
+                                        finish_reason=comp.finish_reason if finished else None,
+                                        stop_reason=comp.stop_reason if finished else None)
             if body.include_usage:
-                yield _sse(p.CompletionStreamResponse(id=stream.request_id, created=created, model=self.model_name,
-                                                      choices=[], usage=p.UsageInfo.of(prompt_len, completion_tokens)))
+                usage = p.UsageInfo.of(sum(len(ids) for _, ids in prompts), states.completion_tokens())
+                yield _sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                      choices=[], usage=usage))
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:
@@ -256,40 +272,44 @@ class OpenAIServer:
         if body.stream:
             return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
-        comp = out.outputs[0]
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = p.chat_logprobs(*self.logprob_args(out, False), params.logprobs, self.decode_token)
-        choice = p.ChatChoice(message=p.ChatResponseMessage(content=comp.text), logprobs=logprobs,
-                              finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
-        resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=[choice],
-                                        usage=p.UsageInfo.of(len(ids), len(comp.token_ids)),
-                                        prompt_logprobs=self.prompt_logprobs(out))
+        choices = []
+        for comp in out.outputs:  # n samples, in index order
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = p.chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
+            choices.append(p.ChatChoice(index=comp.index, message=p.ChatResponseMessage(content=comp.text),
+                                        logprobs=logprobs, finish_reason=comp.finish_reason,
+                                        stop_reason=comp.stop_reason))
+        resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
+                                        usage=c.usage([len(ids)], [out]), prompt_logprobs=self.prompt_logprobs(out))
         return _json(resp)
 
     async def _chat_events(self, stream: RequestStream, raw: Request, body: p.ChatCompletionRequest,
                            params: SamplingParams, prompt_len: int) -> AsyncIterator[str]:
-        created, streamer, completion_tokens = int(time.time()), TextStreamer(params.stop), 0
+        created, k = int(time.time()), params.logprobs
+        states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             return _sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
                                               choices=choices, usage=usage))
 
         try:
-            yield chunk([p.ChatStreamChoice(delta=p.DeltaMessage(role="assistant", content=""))])
+            for j in range(params.n):
+                yield chunk([p.ChatStreamChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))])
             async for out in self.outputs(stream, raw):
-                comp = out.outputs[0]
-                completion_tokens = len(comp.token_ids)
-                delta = streamer.delta(comp.text, out.finished)
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = p.chat_logprobs(*self.logprob_args(out, True), params.logprobs, self.decode_token)
-                if delta or logprobs is not None:
-                    yield chunk([p.ChatStreamChoice(delta=p.DeltaMessage(content=delta), logprobs=logprobs)])
-                if out.finished:
-                    yield chunk([p.ChatStreamChoice(delta=p.DeltaMessage(), finish_reason=comp.finish_reason)])
+                for comp in out.outputs:
+                    state = states.get(0, comp.index)
+                    was_done = state.done
+                    delta, ids, lps = state.advance(comp)
+                    logprobs = p.chat_logprobs(ids, lps, k, self.decode_token) if k is not None and ids else None
+                    if delta or logprobs is not None:
+                        yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(content=delta),
+                                                        logprobs=logprobs)])
+                    if state.done and not was_done:
+                        yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(),
+                                                        finish_reason=comp.finish_reason)])
             if body.include_usage:
-                yield chunk([], usage=p.UsageInfo.of(prompt_len, completion_tokens))
+                yield chunk([], usage=p.UsageInfo.of(prompt_len, states.completion_tokens()))
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import protocol as p
-from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, error_response
+from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
@@ -106,6 +106,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         if tok is None:
             raise p.InvalidRequestError("prompt: this model has no tokenizer; send token ids", param="prompt")
+        check_text(prompt, "prompt")
         return prompt, tok(prompt).input_ids  # as LLMEngine.tokenize does, so results match LLM.generate
 
     def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -120,6 +121,7 @@ class OpenAIServer:
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc
+        check_text(text, "messages")
         return text, tok(text, add_special_tokens=False).input_ids
 
     def sampling_params(self, body: p.SamplingRequest, prompt_len: int) -> SamplingParams:

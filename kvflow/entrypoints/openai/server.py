@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
+from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
@@ -319,11 +320,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.kvflow = server
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    app.state.drain = DrainState()  # outermost: a draining server refuses before anything else runs
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
     add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response(503, "the engine is not running (shut down or crashed)", "server_error",
+                              code="engine_dead")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -155,6 +155,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-waiting", type=int, default=None,
                    help="refuse requests (HTTP 503 with Retry-After) when this many are already waiting for a "
                         "batch slot (default: --max-num-seqs; -1: no limit)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=32 << 20,
+                   help="refuse larger request bodies (HTTP 413) before reading them, e.g. 8MiB (default 32MiB)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them (new ones "
                         "get 503 meanwhile); a second SIGTERM exits at once")
@@ -174,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("admission: at most %s request(s) waiting (--max-waiting), then 503; SIGTERM drains for at most "
                 "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
-    app = build_app(engine, name, args.api_key)
+    app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     dtype = str(engine.engine.dtype).removeprefix("torch.")

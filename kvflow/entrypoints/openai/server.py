@@ -25,6 +25,7 @@ from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, Engine
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
+from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
@@ -310,7 +311,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving `engine` as model `served_model_name`; /v1 routes need `api_key` if given."""
     from kvflow import __version__
 
@@ -320,6 +321,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.kvflow = server
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.state.drain = DrainState()  # outermost: a draining server refuses before anything else runs
     app.add_middleware(DrainMiddleware, state=app.state.drain)
     add_error_handlers(app)

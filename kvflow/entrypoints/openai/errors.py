@@ -104,4 +104,5 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), type_, code=getattr(exc, "openai_code", None),
+                              headers=getattr(exc, "headers", None))

@@ -21,6 +21,15 @@ def _too_large(max_bytes: int) -> str:
     return f"The request body is larger than this server accepts ({max_bytes} bytes; --max-request-bytes)."
 
 
+class RequestTooLarge(HTTPException):
+    """Raised from `receive` once a chunked body passes the limit (FastAPI re-raises HTTPExceptions)."""
+
+    openai_code = "request_too_large"  # the error's `code`, as for a declared length
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, _too_large(max_bytes), headers={"Connection": "close"})
+
+
 class BodyLimitMiddleware:
     """Plain ASGI: 413 in OpenAI's shape for a body over `max_bytes`.
 
@@ -53,7 +62,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise HTTPException(413, _too_large(self.max_bytes), headers={"Connection": "close"})
+                    raise RequestTooLarge(self.max_bytes)
             return message
 
         await self.app(scope, counting_receive, send)

@@ -153,20 +153,30 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVFLOW_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     g.add_argument("--max-waiting", type=int, default=None,
-                   help="refuse requests (HTTP 503) when this many are already waiting")
+                   help="refuse requests (HTTP 503 with Retry-After) when this many are already waiting for a "
+                        "batch slot (default: --max-num-seqs; -1: no limit)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=32 << 20,
+                   help="refuse larger request bodies (HTTP 413) before reading them, e.g. 8MiB (default 32MiB)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before aborting them (new ones "
+                        "get 503 meanwhile); a second SIGTERM exits at once")
     g.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvflow.entrypoints.async_engine import AsyncEngine
+    from kvflow.entrypoints.openai.lifecycle import serve_until_drained
     from kvflow.entrypoints.openai.server import build_app
 
-    engine = AsyncEngine.from_config(engine_config_from_args(args), max_waiting=args.max_waiting)
+    if args.shutdown_timeout < 0:  # before the weights load
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
+    engine = AsyncEngine.from_config(engine_config_from_args(args), max_waiting=None if max_waiting < 0 else max_waiting)
+    logger.info("admission: at most %s request(s) waiting (--max-waiting), then 503; SIGTERM drains for at most "
+                "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
-    app = build_app(engine, name, args.api_key)
+    app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     dtype = str(engine.engine.dtype).removeprefix("torch.")
@@ -178,10 +188,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("try: curl %s/v1/completions -H 'Content-Type: application/json'%s "
                 "-d '{\"model\": \"%s\", \"prompt\": \"Hello, my name is\", \"max_tokens\": 32}'", url, auth, name)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        return serve_until_drained(app, engine, args.host, args.port, args.uvicorn_log_level, args.shutdown_timeout)
     finally:
         engine.shutdown()
-    return 0
 
 
 # ---- generate / chat ------------------------------------------------------------------------

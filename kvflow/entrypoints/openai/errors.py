@@ -27,8 +27,24 @@ class ClientDisconnected(Exception):
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    # A message may quote the request (a model name, a prompt): a lone surrogate in it would make
+    # the JSON encoder itself fail, turning a 4xx into a 500. Escape such characters instead.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode, such as a lone surrogate sent as a JSON \\ud800 escape.
+
+    JSON allows such escapes and Python keeps them, but a tokenizer cannot encode them: caught
+    here, the client learns which field is wrong instead of getting a 500.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise p.InvalidRequestError(f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start})",
+                                    param=param) from None
 
 
 def _param_of(message: str) -> str | None:
@@ -78,7 +94,15 @@ def add_error_handlers(app: FastAPI) -> None:
     async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad request: still OpenAI's shape, so a client's SDK raises InternalServerError
+        # with a message. Starlette logs the traceback after this answer is sent.
+        return error_response(500, f"The server had an error processing the request: {type(exc).__name__}",
+                              "server_error", code="internal_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), type_, code=getattr(exc, "openai_code", None),
+                              headers=getattr(exc, "headers", None))

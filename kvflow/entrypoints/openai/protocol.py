@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from kvflow.sampling.params import SamplingParams
+from kvflow.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
 class InvalidRequestError(ValueError):
@@ -177,6 +177,9 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # named as sent
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                      param="top_logprobs")
         if not self.logprobs:
             if self.top_logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")

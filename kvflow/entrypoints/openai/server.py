@@ -26,7 +26,9 @@ from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, Engine
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.dashboard import register_dashboard
-from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, error_response
+from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
+from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
+from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
@@ -109,6 +111,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         if tok is None:
             raise p.InvalidRequestError("prompt: this model has no tokenizer; send token ids", param="prompt")
+        check_text(prompt, "prompt")
         return prompt, tok(prompt).input_ids  # as LLMEngine.tokenize does, so results match LLM.generate
 
     def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -123,6 +126,7 @@ class OpenAIServer:
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc
+        check_text(text, "messages")
         return text, tok(text, add_special_tokens=False).input_ids
 
     def sampling_params(self, body: p.SamplingRequest, prompt_len: int) -> SamplingParams:
@@ -328,7 +332,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving `engine` as model `served_model_name`; /v1 routes need `api_key` if given."""
     from kvflow import __version__
 
@@ -338,11 +342,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.state.kvflow = server
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.state.drain = DrainState()  # outermost: a draining server refuses before anything else runs
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
     add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response(503, "the engine is not running (shut down or crashed)", "server_error",
+                              code="engine_dead")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,9 @@ class Sequence:
     # rank there. Filled chunk by chunk as the prompt is computed, each entry exactly once.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_token_ranks: list[int | None] = field(default_factory=list)
+    # Structured output: the grammar state (structured_output.GrammarState) the engine advances
+    # with every kept token and the runner asks for the next allowed tokens; None when unconstrained.
+    grammar_state: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

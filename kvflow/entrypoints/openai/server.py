@@ -25,9 +25,11 @@ from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, Engine
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, error_response
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvflow.entrypoints.openai.structured import name_field
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
 from kvflow.sampling.params import SamplingParams
+from kvflow.structured_output.backend import StructuredOutputError
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
 logger = logging.getLogger("kvflow")
@@ -133,10 +135,14 @@ class OpenAIServer:
         return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     async def submit(self, prefix: str, text: str | None, ids: list[int], params: SamplingParams,
-                     priority: int) -> RequestStream:
+                     priority: int, structured_field: str | None = None) -> RequestStream:
+        """Hand the request to the engine; a constraint that does not compile is a 400 naming `structured_field`."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                             priority=priority)
+        try:
+            return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                                 priority=priority)
+        except StructuredOutputError as exc:
+            raise p.InvalidRequestError(name_field(str(exc), structured_field), param=structured_field) from None
 
     # ---- consuming a request's outputs --------------------------------------------------------
     async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
@@ -196,7 +202,7 @@ class OpenAIServer:
             raise p.InvalidRequestError("echo with logprobs is not supported; prompt_logprobs scores the prompt",
                                         param="echo")
         params = self.sampling_params(body, len(ids))
-        stream = await self.submit("cmpl", text, ids, params, body.priority)
+        stream = await self.submit("cmpl", text, ids, params, body.priority, body.structured_output_field)
         echo = ""
         if body.echo:
             echo = text if text is not None else "".join(self.decode_token(t) for t in ids)
@@ -251,7 +257,7 @@ class OpenAIServer:
         self.check_model(body.model)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
-        stream = await self.submit("chatcmpl", text, ids, params, body.priority)
+        stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field)
         if body.stream:
             return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)

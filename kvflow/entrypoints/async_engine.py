@@ -186,8 +186,8 @@ class AsyncEngine:
         self._check_alive()
         loop = asyncio.get_running_loop()
         if params is not None and params.structured_outputs is not None:
-            # Compile on a worker thread (xgrammar releases the GIL), so the engine thread keeps
-            # stepping; its add_request then finds the grammar cached. Errors reach the caller here.
+            # Compile on a worker thread (xgrammar compiles in C++, not holding the GIL throughout), so
+            # the engine thread keeps stepping; its add_request then finds the grammar cached.
             await loop.run_in_executor(None, self.engine.compile_structured_output, params)
         stream = RequestStream(request_id, self, loop)
         future: asyncio.Future = loop.create_future()

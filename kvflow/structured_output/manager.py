@@ -13,7 +13,8 @@ Three operations, and nothing else touches the grammar engine:
 Where compiling happens (so that it never stalls other requests' steps): the async engine
 compiles on a worker thread before it hands the request to the engine thread, whose
 `add_request` then finds the grammar in the cache; `LLM.generate` compiles in `add_request`,
-before its steps start. xgrammar compiles in C++ with the GIL released.
+before its steps start. xgrammar compiles in C++: in a probe a Python thread
+kept running (at a third of its speed, on 2 busy cores) through a 0.36 s compile.
 """
 
 from __future__ import annotations

@@ -29,15 +29,25 @@ from kvflow.bench.results import ThroughputResult, current_rss_mb, numerics_labe
 WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
 
-def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, label: str = "kvflow") -> ThroughputResult:
+# `--structured-output json`: every request carries this schema. A list of at least 256 strings
+# (each at least 3 tokens), so that outputs run to their max_tokens (at most 256) like the
+# unconstrained ones, since ignore_eos cannot outlast a complete grammar, and both runs time
+# the same tokens. (With no minimum, greedy on the random prompts wrote `[]` and stopped.)
+STRUCTURED_SCHEMAS = {"json": {"type": "array", "items": {"type": "string"}, "minItems": 256}}
+
+
+def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, label: str = "kvflow",
+               structured_output: str | None = None) -> ThroughputResult:
     """Submit everything at once, step to the end, and measure."""
     from kvflow.sampling.params import SamplingParams
+    from kvflow.structured_output.params import StructuredOutputsParams
 
+    so = StructuredOutputsParams(json=STRUCTURED_SCHEMAS[structured_output]) if structured_output else None
     stats0 = engine.get_stats()
     start = time.perf_counter()
     t0 = time.time()
     for i, req in enumerate(requests):
-        params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True, structured_outputs=so)
         engine.add_request(f"bench-{t0}-{i}", {"prompt_token_ids": req.prompt_token_ids}, params, arrival_time=t0)
     bar = None
     if use_tqdm:
@@ -58,7 +68,7 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
         bar.close()
     stats = engine.get_stats()
     prompt = sum(len(r.prompt_token_ids) for r in requests)
-    output = sum(r.output_len for r in requests)
+    output = stats.generation_tokens - stats0.generation_tokens  # all of output_len, unless a grammar ended early
     return ThroughputResult(
         engine=label,
         dtype=numerics_label(engine),
@@ -141,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also run the same requests through transformers generate() and print the ratios")
     g.add_argument("--baseline-batch-size", type=int, default=16, help="static batch size of the hf baseline")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--structured-output", choices=sorted(STRUCTURED_SCHEMAS), default=None,
+                   help="every request carries this constraint (json: a JSON schema, STRUCTURED_SCHEMAS): "
+                        "the cost of structured output")
     g.add_argument("--repeat", type=int, default=1,
                    help="time N runs in one process, each on a fresh draw (dataset seed + 1000*i), and report "
                         "each run's throughput and resident memory: steady state and leaks")
@@ -154,16 +167,18 @@ def run(config, args: argparse.Namespace) -> ThroughputResult:
     vocab = engine.model_config.vocab_size
     requests = build_requests(args, args.dataset_seed, engine.tokenizer, vocab)
     warmup = warmup_requests(args, requests, engine.tokenizer, vocab) if args.warmup_seed >= 0 else None
+    structured = getattr(args, "structured_output", None)
     if warmup:
-        run_kvflow(engine, warmup)
-    result = run_kvflow(engine, requests, use_tqdm=not args.no_progress)
+        run_kvflow(engine, warmup, structured_output=structured)
+    result = run_kvflow(engine, requests, use_tqdm=not args.no_progress, structured_output=structured)
     print(result.summary())
     report: dict = {"kind": "throughput", "result": asdict(result), "args": vars(args),
                     "machine": platform.processor() or platform.machine()}
     if args.repeat > 1:
         runs = [{"total_tokens_per_s": result.total_tokens_per_s, "rss_mb": current_rss_mb()}]
         for i in range(1, args.repeat):
-            again = run_kvflow(engine, build_requests(args, args.dataset_seed + 1000 * i, engine.tokenizer, vocab))
+            again = run_kvflow(engine, build_requests(args, args.dataset_seed + 1000 * i, engine.tokenizer, vocab),
+                               structured_output=structured)
             runs.append({"total_tokens_per_s": again.total_tokens_per_s, "rss_mb": current_rss_mb()})
             print(f"run {i + 1}/{args.repeat}: {again.total_tokens_per_s:.1f} total tok/s, RSS {runs[-1]['rss_mb']:.0f} MB")
         rates = sorted(r["total_tokens_per_s"] for r in runs)

@@ -38,6 +38,8 @@ from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import SpecDecodeStats, Speculator
+from kvflow.structured_output.backend import StructuredOutputError
+from kvflow.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("kvflow")
 
@@ -141,6 +143,9 @@ class LLMEngine:
                     max_catch_up_tokens=config.max_num_batched_tokens,
                     quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype))
             self.speculator = Speculator(spec, self.max_model_len, draft)
+        # Compiled grammars (cached) for structured output; xgrammar loads on the first such request.
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
         self._requests: dict[str, _Request] = {}  # by sequence id (a sample's own id when n > 1)
         self.sample_groups = SampleGroups()  # requests with n > 1, by request id
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
@@ -208,9 +213,13 @@ class LLMEngine:
                 "(prompt plus at least one generated token must fit)"
             )
         arrival_time = arrival_time or time.time()
+        if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
+            self._check_structured_output(params)
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> _Request:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text)
+            if p.structured_outputs is not None:  # every sample walks the grammar on its own
+                seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, p.skip_special_tokens) if self.tokenizer else None
             return _Request(seq, detok, index=index)
 
@@ -220,6 +229,26 @@ class LLMEngine:
             return
         req = self._requests[request_id] = make(request_id, params)
         self.scheduler.add(req.seq)
+
+    def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compile `params`' output constraint into the grammar cache; StructuredOutputError if it cannot be served.
+
+        Thread-safe, and meant to be called off the engine thread (the async engine does) so that
+        `add_request` finds the grammar compiled and other requests' steps never wait for it.
+        """
+        if params.structured_outputs is not None:
+            self._check_structured_output(params)
+            self.structured_output.compile(params.structured_outputs)
+
+    def _check_structured_output(self, params: SamplingParams) -> None:
+        so = params.structured_outputs
+        if self.speculator is not None:
+            raise StructuredOutputError("structured_outputs: not supported together with speculative decoding "
+                                        "(the engine runs with a speculative_config); send the request without it "
+                                        "or serve without speculation", field=so.kind)
+        if self.tokenizer is None:
+            raise StructuredOutputError("structured_outputs: this model has no tokenizer, which a grammar needs "
+                                        "to map text to tokens", field=so.kind)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (every sample of it) and free its blocks now. Returns False if it was not running."""
@@ -331,6 +360,13 @@ class LLMEngine:
         if req.detokenizer is not None:
             req.text += req.detokenizer.add_tokens([tid])
         n_out = len(seq.output_token_ids)
+        if seq.grammar_state is not None:
+            if not seq.grammar_state.accept(tid):  # the sampler picks allowed tokens only: a broken invariant,
+                logger.error("structured output: token %d of request %s is not allowed by its grammar; "
+                             "aborting it", tid, seq.request_id)  # which ends this request, not the batch
+                return SequenceStatus.FINISHED_ABORTED
+            if seq.grammar_state.is_terminated:  # the grammar is complete (its stop token accepted)
+                return SequenceStatus.FINISHED_STOPPED
         if n_out >= params.min_tokens:
             if not params.ignore_eos and tid in self.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED

@@ -30,6 +30,7 @@ from kvflow.engine.sequence import Sequence
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
 from kvflow.sampling.sampler import Sampler, SamplingMetadata
 from kvflow.spec_decode.rejection_sampler import RejectionSampler
+from kvflow.structured_output.manager import fill_token_bitmask
 
 
 @dataclass
@@ -149,6 +150,8 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
         meta = self._sampling_metadata(seqs, [s.output_token_ids for s in seqs], logits.shape[-1])
+        if any(s.grammar_state is not None for s in seqs):  # structured output: allowed tokens of each row
+            meta.token_bitmask = fill_token_bitmask([s.grammar_state for s in seqs], logits.shape[-1])
         result = self.sampler(logits, meta)
         return [SampledTokens(s, [t], None if lp is None else [lp])
                 for s, t, lp in zip(seqs, result.token_ids, result.logprobs)]

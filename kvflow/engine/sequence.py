@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,9 @@ class Sequence:
     # index order (one list shared by the samples). Admission may take a sibling's computed prompt
     # blocks by reference, so the prompt is computed once even without the prefix cache.
     siblings: list["Sequence"] = field(default_factory=list, repr=False)
+    # Structured output: the grammar state (structured_output.GrammarState) the engine advances
+    # with every kept token and the runner asks for the next allowed tokens; None when unconstrained.
+    grammar_state: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

@@ -195,11 +195,16 @@ class AsyncEngine:
     ) -> RequestStream:
         """Submit a request; returns its output stream once the engine accepted it.
 
-        Raises what `LLMEngine.add_request` raises (ValueError for a bad prompt or id),
+        Raises what `LLMEngine.add_request` raises (ValueError for a bad prompt or id,
+        `StructuredOutputError` for a constraint that does not compile),
         `EngineOverloadedError` when the waiting queue is full, `EngineDeadError` after shutdown.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
+        if params is not None and params.structured_outputs is not None:
+            # Compile on a worker thread (xgrammar compiles in C++, not holding the GIL throughout), so
+            # the engine thread keeps stepping; its add_request then finds the grammar cached.
+            await loop.run_in_executor(None, self.engine.compile_structured_output, params)
         stream = RequestStream(request_id, self, loop)
         future: asyncio.Future = loop.create_future()
         cmd = _AddCommand(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), priority, stream, future)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any, Mapping
 
+from kvflow.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
 # (or makes the softmax a one-hot in all but name), so argmax is both safer and what the
 # user meant.
@@ -77,6 +79,8 @@ class SamplingParams:
     # Log-probabilities of the prompt's own tokens (plus the top-k at each position), as vLLM's
     # prompt_logprobs; last, so that positional construction keeps its meaning.
     prompt_logprobs: int | None = None
+    # Constrain the output to a JSON schema, regex, choice list or grammar (vLLM's field).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
         # __new__ sees the constructor's own arguments, which the generated __init__ does not keep.
@@ -151,6 +155,11 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         else:
             raise ValueError(f"stop_token_ids must be a list of int or None, got {self.stop_token_ids!r}")
+        if isinstance(self.structured_outputs, Mapping):  # {"json": ...} as the server's field spells it
+            unknown = set(self.structured_outputs) - _STRUCTURED_FIELDS
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _validate(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -195,6 +204,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams or None, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.min_tokens:  # the grammar decides where the output ends; a ban on EOS could leave no token
+                raise ValueError(f"min_tokens must be 0 with structured_outputs, got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:
@@ -222,4 +237,5 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+_STRUCTURED_FIELDS = frozenset(f.name for f in fields(StructuredOutputsParams))
 _DEFAULTS = SamplingParams()

@@ -5,7 +5,8 @@ into batch tensors once, and records which stages are needed at all, so `Sampler
 whatever no row asked for. A batch of plain greedy requests (the common benchmark and
 eval case) costs a single argmax.
 
-Stage order follows vLLM: min_tokens mask, penalties, then greedy rows take the argmax and
+Stage order follows vLLM: the structured-output bitmask (`bitmask.py`), min_tokens mask,
+penalties, then greedy rows take the argmax and
 random rows go through temperature, top-k, top-p and min-p before one draw. Random rows are
 sampled with the exponential race (equivalently Gumbel-max): token = argmax(p_i / q_i) with
 q_i ~ Exp(1), computed in log space as argmax(x_i - log q_i) on the filtered, tempered
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.sampling.bitmask import apply_token_bitmask
 from kvflow.sampling.params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -62,6 +64,8 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None = None  # float [N]
     output_counts: torch.Tensor | None = None  # float [N, V]: occurrences in output
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to ban
+    # Structured output: (rows [C] long, bitmask [C, ceil(V/32)] int32) of the constrained rows.
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -74,8 +78,12 @@ class SamplingMetadata:
         vocab_size: int,
         *,
         device: torch.device | str = "cpu",
+        token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> "SamplingMetadata":
-        """Precompute everything this step needs; tensors that no row needs are never built."""
+        """Precompute everything this step needs; tensors that no row needs are never built.
+
+        `token_bitmask` (rows, packed allowed tokens) restricts structured-output rows; see `bitmask.py`.
+        """
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError(
@@ -87,9 +95,11 @@ class SamplingMetadata:
         ban_rows, ban_cols = _min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size)
         wants_logprobs = any(k is not None for k in num_logprobs)
         if not random_idx and not penalised and not ban_rows and not wants_logprobs:
-            return cls(num_rows=n, vocab_size=vocab_size, all_greedy=True, num_logprobs=num_logprobs)
+            return cls(num_rows=n, vocab_size=vocab_size, all_greedy=True, num_logprobs=num_logprobs,
+                       token_bitmask=token_bitmask)
 
-        meta = cls(num_rows=n, vocab_size=vocab_size, all_greedy=False, num_logprobs=num_logprobs)
+        meta = cls(num_rows=n, vocab_size=vocab_size, all_greedy=False, num_logprobs=num_logprobs,
+                   token_bitmask=token_bitmask)
         if ban_rows:
             meta.min_tokens_index = (
                 torch.tensor(ban_rows, dtype=torch.long, device=device),
@@ -199,14 +209,16 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every row of a [N, V] float32 logits batch.
 
-    Logprobs are taken from log_softmax of the logits after the min_tokens mask and the
-    penalties but before temperature and top-k/top-p/min-p, as vLLM's default
+    Logprobs are taken from log_softmax of the logits after the grammar bitmask, the min_tokens
+    mask and the penalties but before temperature and top-k/top-p/min-p, as vLLM's default
     ("raw" model distribution as seen by this request): they then describe the model's
     belief, comparable across requests whatever their sampling knobs, and never report
     -inf for a token merely because a truncation filter dropped it.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.token_bitmask is not None:  # first: every later stage sees only allowed tokens
+            logits = apply_token_bitmask(logits, *meta.token_bitmask)
         if meta.all_greedy:
             return SamplerOutput(
                 token_ids=greedy(logits).tolist(),

@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from kvflow.entrypoints.openai.structured import StructuredOutputFields
 from kvflow.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
@@ -33,8 +34,8 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingRequest(OpenAIModel, StructuredOutputFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (and response_format/structured_outputs)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -127,6 +128,7 @@ class SamplingRequest(OpenAIModel):
             prompt_logprobs=None if self.stream and self.prompt_logprobs == 0 else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_output_params(),
             **{k: v for k, v in chosen.items() if v is not None},
         )
 

@@ -11,13 +11,14 @@ failed write or on a disconnect poll, non-streaming requests on the poll alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,9 +31,11 @@ from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handl
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvflow.entrypoints.openai.structured import name_field
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import stop_string_holdback
 from kvflow.sampling.params import SamplingParams
+from kvflow.structured_output.backend import StructuredOutputError
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
 logger = logging.getLogger("kvflow")
@@ -140,10 +143,12 @@ class OpenAIServer:
         return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     async def submit(self, prefix: str, text: str | None, ids: list[int], params: SamplingParams,
-                     priority: int) -> RequestStream:
+                     priority: int, structured_field: str | None = None) -> RequestStream:
+        """Hand the request to the engine; a constraint that does not compile is a 400 naming `structured_field`."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                             priority=priority)
+        with structured_output_errors(structured_field):
+            return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                                 priority=priority)
 
     # ---- consuming a request's outputs --------------------------------------------------------
     async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
@@ -199,7 +204,8 @@ class OpenAIServer:
         c.check_best_of(body.best_of, params[0].n)
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs: the engine scores it
             params = [c.with_prompt_logprobs(sp, body.logprobs) for sp in params]
-        request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority)
+        with structured_output_errors(body.structured_output_field):
+            request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority)
         echoes = [self.echo_text(text, ids) if body.echo else "" for text, ids in prompts]
         if body.stream:
             return _sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
@@ -272,7 +278,7 @@ class OpenAIServer:
         self.check_model(body.model)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
-        stream = await self.submit("chatcmpl", text, ids, params, body.priority)
+        stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field)
         if body.stream:
             return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
@@ -319,6 +325,16 @@ class OpenAIServer:
         except (EngineStepError, EngineDeadError) as exc:
             yield _sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
         yield "data: [DONE]\n\n"
+
+
+@contextlib.contextmanager
+def structured_output_errors(field: str | None) -> Iterator[None]:
+    """A constraint that does not compile (raised when the request is submitted) as a 400 naming
+    the request field it came from."""
+    try:
+        yield
+    except StructuredOutputError as exc:
+        raise p.InvalidRequestError(name_field(str(exc), field), param=field) from None
 
 
 def _json(model: p.OpenAIModel) -> Response:

@@ -20,11 +20,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
+from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan, plan_kv_cache
 from kvflow.engine.model_runner import ModelRunner, SampledTokens
@@ -38,14 +38,11 @@ from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import SpecDecodeStats, Speculator
-from kvflow.structured_output.backend import StructuredOutputError
 from kvflow.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("kvflow")
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-PromptInput = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -115,7 +112,7 @@ class LLMEngine:
         attn_backend = get_attn_backend("cpu")
         model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed,
                            self.quantization)
-        self.tokenizer = self._load_tokenizer(config.tokenizer or path)
+        self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None and eos not in self.eos_token_ids:
@@ -135,7 +132,7 @@ class LLMEngine:
             if draft_path is not None:
                 from kvflow.spec_decode.draft_model import load_draft_proposer
 
-                draft_tokenizer = self._load_tokenizer(draft_path)
+                draft_tokenizer = load_tokenizer_or_none(draft_path)
                 draft = load_draft_proposer(
                     draft_path, draft_cfg, self.plan, self.dtype, attn_backend, self.eos_token_ids, config.seed,
                     target_vocab=self.tokenizer.get_vocab() if self.tokenizer is not None else None,
@@ -160,35 +157,9 @@ class LLMEngine:
         if self.speculator is not None:
             logger.info("kvflow: %s", config.speculative_config.describe())
 
-    # ---- set-up helpers ----------------------------------------------------------------
-    @staticmethod
-    def _load_tokenizer(path: str):
-        """The model's tokenizer, or None for a bare directory (then prompts must be token ids)."""
-        if os.path.isfile(path) and os.path.basename(path) == "config.json":
-            path = os.path.dirname(path)
-        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-            logger.warning("%s has no tokenizer files: prompts must be given as token ids", path)
-            return None
-        from kvflow.loader.tokenizer import load_tokenizer
-
-        return load_tokenizer(path)
-
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, list):
-            return None, [int(t) for t in prompt]
-        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(
         self,
@@ -214,7 +185,7 @@ class LLMEngine:
             )
         arrival_time = arrival_time or time.time()
         if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
-            self._check_structured_output(params)
+            self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> _Request:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text)
@@ -237,18 +208,8 @@ class LLMEngine:
         `add_request` finds the grammar compiled and other requests' steps never wait for it.
         """
         if params.structured_outputs is not None:
-            self._check_structured_output(params)
+            self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
             self.structured_output.compile(params.structured_outputs)
-
-    def _check_structured_output(self, params: SamplingParams) -> None:
-        so = params.structured_outputs
-        if self.speculator is not None:
-            raise StructuredOutputError("structured_outputs: not supported together with speculative decoding "
-                                        "(the engine runs with a speculative_config); send the request without it "
-                                        "or serve without speculation", field=so.kind)
-        if self.tokenizer is None:
-            raise StructuredOutputError("structured_outputs: this model has no tokenizer, which a grammar needs "
-                                        "to map text to tokens", field=so.kind)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (every sample of it) and free its blocks now. Returns False if it was not running."""

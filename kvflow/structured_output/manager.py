@@ -105,6 +105,16 @@ class StructuredOutputManager:
                 self._backend = XGrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backend
 
+    def check_servable(self, params: StructuredOutputsParams, speculating: bool) -> None:
+        """StructuredOutputError when this engine cannot serve a constraint at all."""
+        if speculating:
+            raise StructuredOutputError("structured_outputs: not supported together with speculative decoding "
+                                        "(the engine runs with a speculative_config); send the request without it "
+                                        "or serve without speculation", field=params.kind)
+        if self.tokenizer is None:
+            raise StructuredOutputError("structured_outputs: this model has no tokenizer, which a grammar needs "
+                                        "to map text to tokens", field=params.kind)
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of `params`, from the cache or compiled now (StructuredOutputError if invalid)."""
         key = params.cache_key()

@@ -48,7 +48,6 @@ def compressed_tensors_config(hf_config: dict[str, Any]):
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
         return None
     from kvflow.quantization.compressed_tensors import CompressedTensorsConfig
-    from kvflow.quantization.gptq import GPTQConfig
 
     return CompressedTensorsConfig.from_hf(qc)
 

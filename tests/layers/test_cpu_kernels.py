@@ -13,7 +13,6 @@ Guards:
 
 from __future__ import annotations
 
-import math
 import subprocess
 
 import pytest

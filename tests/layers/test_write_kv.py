@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.layers import cpu_kernels, kv_layout
+from kvflow.layers import kv_layout
 
 
 def fused_step(tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):

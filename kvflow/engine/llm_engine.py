@@ -236,6 +236,11 @@ class LLMEngine:
         """The requests in the running batch, by the ids they were added with (n > 1: once)."""
         return self.sample_groups.request_ids(self.scheduler.running, self._requests)
 
+    def num_waiting_requests(self) -> int:
+        """Requests in the waiting queue, a request with n > 1 counted once (its samples queue
+        separately once its prompt is computed)."""
+        return len(self.sample_groups.request_ids(self.scheduler.waiting, self._requests))
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

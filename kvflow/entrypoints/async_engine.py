@@ -281,12 +281,15 @@ class AsyncEngine:
             if cmd.stream is not None and self._streams.get(cmd.request_id) is not cmd.stream:
                 return  # the id now belongs to another request (or this one already finished)
             stream = self._streams.pop(cmd.request_id, None)
-            if self.engine.abort_request(cmd.request_id) and stream is not None:
-                logger.debug("aborted request %s", cmd.request_id)
+            try:
+                if self.engine.abort_request(cmd.request_id) and stream is not None:
+                    logger.debug("aborted request %s", cmd.request_id)
+            except Exception:  # a bookkeeping bug must not take the engine thread (and every caller) down
+                logger.exception("aborting request %s failed", cmd.request_id)
             return
         try:
-            if self.max_waiting is not None:
-                waiting = self.engine.get_stats().num_waiting
+            if self.max_waiting is not None:  # requests, not sequences: n samples are one request
+                waiting = self.engine.num_waiting_requests()
                 if waiting >= self.max_waiting:
                     raise EngineOverloadedError(waiting, self.max_waiting)
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)

@@ -128,7 +128,8 @@ class FusedLlamaStack:
         """Final normed hidden states [T, hidden]; None when this step's tensors don't fit (the
         caller then runs the modules). x (the embeddings) is used as scratch."""
         reason = self._unfit(x, positions, meta) or (None if self._bind_caches(kv_caches, meta.block_size)
-                                                     else "KV caches of another shape or dtype")
+                                                     else "KV caches of another shape or dtype, e.g. "
+                                                          "kv_cache_dtype=int8, which the fused stack does not read")
         if reason is not None:
             if self.steps_declined == 0:
                 logger.warning("fused Llama stack: step runs on the modules instead (%s)", reason)

@@ -208,3 +208,19 @@ def test_stop_strings_per_sample(smollm2_fp32):
     assert any(c.finish_reason == "stop" for c in out.outputs)
     llm.engine.check_integrity()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks
+
+
+def test_waiting_requests_count_a_request_once(tiny):
+    """The server's admission bound (--max-waiting) counts requests: n samples released into the
+    waiting queue at once must not read as n waiting requests."""
+    llm = LLM(tiny[0], dtype="float32", kv_cache_memory=8 << 20, max_model_len=512, block_size=BLOCK,
+              max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": _prompt(30, 6)}, SamplingParams(n=4, max_tokens=8, seed=0))
+    engine.step()  # sample 0 computes the prompt and samples; the other three are released to wait
+    assert len(engine.scheduler.waiting) == 3 and engine.num_waiting_requests() == 1
+    engine.add_request("b", {"prompt_token_ids": _prompt(12, 7)}, SamplingParams(max_tokens=4))
+    assert engine.num_waiting_requests() == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_pool_free(llm)

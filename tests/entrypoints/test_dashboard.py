@@ -16,13 +16,13 @@ import threading
 
 import numpy as np
 
-from tests.entrypoints.conftest import httpx
+from tests.entrypoints.conftest import API_KEY, httpx
 
 
 def read_frames(base_url: str, count: int, interval: float = 0.1) -> list[dict]:
     frames = []
-    with httpx.stream("GET", f"{base_url}/dashboard/events", params={"interval": interval, "frames": count},
-                      timeout=60) as response:
+    params = {"interval": interval, "frames": count, "key": API_KEY}
+    with httpx.stream("GET", f"{base_url}/dashboard/events", params=params, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -38,8 +38,18 @@ def decode(frame: dict) -> tuple[np.ndarray, np.ndarray]:
     return states, owners
 
 
+def test_page_and_feed_need_the_api_key(live_server):
+    for path in ("/dashboard", "/dashboard/events?frames=1"):
+        refused = httpx.get(f"{live_server.base_url}{path}", timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(f"{live_server.base_url}{path}", params={"key": "nope"}, timeout=30)
+        assert wrong.status_code == 401
+    by_header = httpx.get(f"{live_server.base_url}/dashboard", headers=live_server.headers, timeout=30)
+    assert by_header.status_code == 200
+
+
 def test_page_is_self_contained(live_server):
-    page = httpx.get(f"{live_server.base_url}/dashboard", timeout=30)
+    page = httpx.get(f"{live_server.base_url}/dashboard", params={"key": API_KEY}, timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     html = page.text
     assert "<canvas" in html and "dashboard/events" in html

@@ -61,7 +61,7 @@ def used_blocks_from_metrics(base_url: str, num_blocks: int) -> int:
 
 def test_page_draws_the_pool_while_a_request_runs(live_server, tmp_path):
     num_blocks = live_server.engine.get_stats().num_blocks
-    url = f"{live_server.base_url}/dashboard?interval=0.2&frames=5"
+    url = f"{live_server.base_url}/dashboard?interval=0.2&frames=5&key={live_server.api_key}"
     started, stop = threading.Event(), threading.Event()
 
     def generate() -> None:  # a long request, so that blocks are held while the page draws

@@ -206,6 +206,8 @@ def test_drain_middleware_counts_streams_and_refuses_while_draining():
         assert json.loads(payload)["error"]["code"] == "draining"
         status, _, payload = await call("/health")
         assert status == 503 and json.loads(payload)["error"]["code"] == "draining"
+        status, _, payload = await call("/dashboard/events")  # an endless feed would hold up the exit
+        assert status == 503 and json.loads(payload)["error"]["code"] == "draining"
         assert state.in_flight == 1  # refusals are not counted
         gate.set()
         assert await state.wait_idle(5) and await stream == (200, {b"content-type": b"text/plain"}, b"firstlast")

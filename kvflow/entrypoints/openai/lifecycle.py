@@ -82,7 +82,7 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if self.state.draining and (path == "/health" or path.startswith("/v1")):
+        if self.state.draining and (path == "/health" or path.startswith("/v1") or path == "/dashboard/events"):
             response = error_response(503, DRAINING_MESSAGE, "server_error", code="draining",
                                       headers={"Retry-After": "1", "Connection": "close"})
             await response(scope, receive, send)

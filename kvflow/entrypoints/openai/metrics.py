@@ -177,16 +177,24 @@ class RecentLatencies:
 
 @dataclass
 class RequestTracker:
-    """Feeds one request's latencies into the histograms as its outputs arrive."""
+    """Feeds one request's latencies into the histograms as its outputs arrive.
+
+    A request with n > 1 reports all its samples in one output: tokens are counted over every
+    sample (the throughput), a step's gap is divided by the tokens one sample gained in it (the
+    inter-token latency a sample sees), and each sample's finish reason is counted."""
 
     metrics: ServerMetrics
-    num_tokens: int = 0
+    num_tokens: int = 0  # over all samples
     last_token_time: float | None = None
     done: bool = field(default=False)
+    sample_tokens: list[int] = field(default_factory=list)
 
     def on_output(self, out: RequestOutput) -> None:
         m, t = self.metrics, out.metrics
-        new = max(len(out.new_token_ids), 1)
+        counts = [len(c.token_ids) for c in out.outputs]
+        previous = self.sample_tokens + [0] * (len(counts) - len(self.sample_tokens))
+        new = max(sum(counts) - self.num_tokens, 1)
+        per_sample = max([c - p for c, p in zip(counts, previous)] + [1])
         now = t.last_token_time or time.time()
         if self.num_tokens == 0:
             first = t.first_token_time or now
@@ -195,19 +203,20 @@ class RequestTracker:
             if t.first_scheduled_time is not None:
                 m.queue.observe(max(t.first_scheduled_time - t.arrival_time, 0.0))
             self.last_token_time = first
-            new -= 1
+            new, per_sample = new - 1, per_sample - 1
         if new > 0 and self.last_token_time is not None:
-            gap = max(now - self.last_token_time, 0.0) / new
+            gap = max(now - self.last_token_time, 0.0) / max(per_sample, 1)
             for _ in range(new):
                 m.itl.observe(gap)
             m.recent.add_itl(now, gap, new)
             self.last_token_time = now
-        self.num_tokens = len(out.outputs[0].token_ids)
+        self.num_tokens, self.sample_tokens = sum(counts), counts
         if out.finished and not self.done:
             self.done = True
             end = t.finished_time or now
             m.e2e.observe(max(end - t.arrival_time, 0.0))
-            if self.num_tokens > 1 and t.first_token_time is not None:
-                m.tpot.observe(max(end - t.first_token_time, 0.0) / (self.num_tokens - 1))
-            reason = out.outputs[0].finish_reason or "unknown"
-            m.request_success.labels(m.model_name, reason).inc()
+            longest = max(counts, default=0)
+            if longest > 1 and t.first_token_time is not None:
+                m.tpot.observe(max(end - t.first_token_time, 0.0) / (longest - 1))
+            for c in out.outputs:
+                m.request_success.labels(m.model_name, c.finish_reason or "unknown").inc()

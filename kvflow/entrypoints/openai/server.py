@@ -401,5 +401,5 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
         return await server.chat(body, raw)
 
-    register_dashboard(app, engine, metrics, served_model_name)
+    register_dashboard(app, engine, metrics, served_model_name, api_key)
     return app

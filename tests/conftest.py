@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,27 @@ def assert_greedy_match(ours: list[int], ref: list[int], gaps: list[float], labe
             f"{label}: diverged at step {i} (ours {ours[i]}, reference {ref[i]}) "
             f"where the reference's top-2 gap was {gaps[i]:.4g} >= {TIE_GAP}"
         )
+
+
+def shared_prefix_prompts(seed: int, num_own: int, vocab: int = 320) -> list[list[int]]:
+    """`num_own` random prompts of 5 to 70 tokens, then four that share a 40-token prefix (for the
+    prefix cache) and differ in their last 1 to 9 tokens."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    own = [[rng.randrange(3, vocab) for _ in range(rng.randint(5, 70))] for _ in range(num_own)]
+    return own + [shared + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+
+
+def check_greedy_run(llm, prompts: list[list[int]], refs, params, label: str, indices=None) -> None:
+    """Generate `prompts[i]` for i in `indices` (all by default) in one batch, match each against
+    its (tokens, gaps) reference with the tie rule, then check that every KV block is back."""
+    indices = list(range(len(prompts))) if indices is None else indices
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indices], params, use_tqdm=False)
+    for i, out in zip(indices, outs):
+        assert_greedy_match(out.outputs[0].token_ids, *refs[i], f"{label} prompt {i}")
+    kv = llm.engine.kv_cache_manager
+    llm.engine.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], torch.Tensor]:

@@ -10,7 +10,6 @@ caching or preemption, and every block comes back to the pool.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.engine.memory_plan import plan_kv_cache
 from kvflow.layers.kv_int8 import Int8KVCache
-from tests.conftest import assert_greedy_match, hf_greedy
+from tests.conftest import check_greedy_run, hf_greedy, shared_prefix_prompts
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -51,10 +50,7 @@ def int8_kv_oracle(hf):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(5)
-    shared = [rng.randrange(3, 320) for _ in range(40)]  # a common prefix, for the prefix cache
-    own = [[rng.randrange(3, 320) for _ in range(rng.randint(5, 70))] for _ in range(8)]
-    return own + [shared + [rng.randrange(3, 320) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+    return shared_prefix_prompts(5, 8)
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +61,7 @@ def refs(tiny_models, prompts):
 
 
 def _check(llm: LLM, prompts, refs, label: str, indices=None) -> None:
-    indices = list(range(len(prompts))) if indices is None else indices
-    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indices], GREEDY, use_tqdm=False)
-    for i, out in zip(indices, outs):
-        assert_greedy_match(out.outputs[0].token_ids, *refs[i], f"{label} prompt {i}")
-    kv = llm.engine.kv_cache_manager
-    llm.engine.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks
+    check_greedy_run(llm, prompts, refs, GREEDY, label, indices)
 
 
 @pytest.mark.parametrize("config", [

@@ -47,14 +47,20 @@ class LiveServer:
 
     def wait_pool_free(self, timeout: float = 2.0) -> bool:
         """True once every KV block is back in the pool (idle cached blocks count as free)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.engine.get_stats()
-            if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0 and stats.num_waiting == 0:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
+        return wait_engine_idle(self.engine, timeout)
+
+
+def wait_engine_idle(engine: AsyncEngine, timeout: float) -> bool:
+    """True once nothing runs or waits and every KV block is back in the pool (idle cached
+    blocks count as free); False if `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.get_stats()
+        if stats.num_free_blocks == stats.num_blocks and stats.num_running == 0 and stats.num_waiting == 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
 
 
 def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:

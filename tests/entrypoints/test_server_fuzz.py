@@ -35,7 +35,7 @@ from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.openai.server import build_app
 
 from tests.conftest import save_tiny_llama
-from .conftest import MODEL_NAME, httpx, start_uvicorn
+from .conftest import MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
 
 CASE_DEADLINE_S = 30.0
 EXAMPLES = 30  # per operation and generation mode
@@ -171,11 +171,5 @@ def test_fuzz_every_endpoint_from_the_openapi_schema(fuzz_server):
     served = {op for (op, status), n in findings.statuses.items() if status == 200}
     assert {"POST /v1/completions", "POST /v1/chat/completions"} <= served  # generation itself was reached
     assert engine.num_step_errors == 0
-    deadline = time.monotonic() + 30
-    while True:
-        stats = engine.get_stats()
-        if stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0:
-            break
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
+    assert wait_engine_idle(engine, 30), engine.get_stats()  # aborted streams too: every block is free
     engine.engine.check_integrity()

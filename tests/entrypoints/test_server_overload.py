@@ -22,7 +22,7 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.openai.server import build_app
 
-from .conftest import MODEL_NAME, httpx, start_uvicorn
+from .conftest import MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
 from .test_server import _samples
 
 MAX_NUM_SEQS, MAX_WAITING, MAX_TOKENS = 4, 4, 8
@@ -141,13 +141,7 @@ def test_flood_refuses_the_excess_and_serves_the_rest_exactly(flood_server):
     assert max_waiting_seen <= MAX_WAITING
     assert rss_after - rss_before < RSS_BOUND, (rss_before >> 20, rss_after >> 20)
 
-    deadline = time.monotonic() + 30
-    while True:  # the hung-up streams are aborted; then every block is free
-        stats = engine.get_stats()
-        if stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0:
-            break
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
+    assert wait_engine_idle(engine, 30), engine.get_stats()  # aborted streams too: every block is free
     engine.engine.check_integrity()
     metrics = _samples(httpx.get(base_url + "/metrics", timeout=30).text)
     assert metrics["kvflow:kv_cache_usage_perc"] == 0 and metrics["kvflow:num_requests_running"] == 0

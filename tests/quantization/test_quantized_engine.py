@@ -4,14 +4,13 @@ same dequantized weights, whatever the batching, chunking, prefix caching or pre
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.quantization.methods import quantize
-from tests.conftest import assert_greedy_match, hf_greedy
+from tests.conftest import check_greedy_run, hf_greedy, shared_prefix_prompts
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -32,10 +31,7 @@ def dequantized_oracle(hf, method: str, group_size: int | None):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(11)
-    shared = [rng.randrange(3, 320) for _ in range(40)]  # a common prefix, for the prefix cache
-    own = [[rng.randrange(3, 320) for _ in range(rng.randint(5, 70))] for _ in range(10)]
-    return own + [shared + [rng.randrange(3, 320) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+    return shared_prefix_prompts(11, 10)
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -47,13 +43,7 @@ def mode(request, tiny_models, prompts):
 
 
 def _check(llm: LLM, prompts, refs, label: str, indices=None) -> None:
-    indices = list(range(len(prompts))) if indices is None else indices
-    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indices], GREEDY, use_tqdm=False)
-    for i, out in zip(indices, outs):
-        assert_greedy_match(out.outputs[0].token_ids, *refs[i], f"{label} prompt {i}")
-    kv = llm.engine.kv_cache_manager
-    llm.engine.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks
+    check_greedy_run(llm, prompts, refs, GREEDY, label, indices)
 
 
 @pytest.mark.parametrize("config", [

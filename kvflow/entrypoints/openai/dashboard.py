@@ -101,7 +101,6 @@ def register_dashboard(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics
     @app.get("/dashboard/events", include_in_schema=False)
     async def dashboard_events(raw: Request, interval: float = 0.5, frames: int = 0) -> Response:
         """`interval` seconds between frames (at least 0.1); `frames` > 0 stops after that many."""
-        nonlocal feeds
         if (denied := refused(raw)) is not None:
             return denied
         if feeds >= MAX_FEEDS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -52,6 +52,33 @@ def compressed_tensors_config(hf_config: dict[str, Any]):
     return CompressedTensorsConfig.from_hf(qc)
 
 
+class _PendingLayers:
+    """Each quantized layer's tensors (separate names, possibly in different shards), held until
+    the layer is complete, then made one (`<module>.weight`, QuantizedWeight), or its float32
+    dequantization where `keep_quantized` refuses that name (--quantization none)."""
+
+    def __init__(self, keep_quantized: Callable[[str], bool] | None) -> None:
+        self.keep_quantized = keep_quantized
+        self.layers: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, module: str, part: str, tensor: torch.Tensor, required: Iterable[str],
+            convert: Callable[[str, dict[str, torch.Tensor]], Any]) -> tuple[str, Any] | None:
+        parts = self.layers.setdefault(module, {})
+        parts[part] = tensor
+        if not all(p in parts for p in required):
+            return None
+        weight, name = convert(module, self.layers.pop(module)), f"{module}.weight"
+        keep = self.keep_quantized is not None and self.keep_quantized(name)
+        return name, weight if keep else weight.dequantize()
+
+    def check_complete(self, kind: str, expected: Iterable[str] | None = None) -> None:
+        if self.layers:
+            module, parts = next(iter(self.layers.items()))
+            of = f" of {', '.join(expected)}" if expected is not None else ""
+            raise ValueError(f"checkpoint is incomplete: {kind} {module} has only {', '.join(sorted(parts))}{of} "
+                             f"({len(self.layers)} such layer(s))")
+
+
 def iter_compressed_tensors_weights(model_dir: str, config: CompressedTensorsConfig,
                                     keep_quantized: Callable[[str], bool] | None = None
                                     ) -> Iterator[tuple[str, Any]]:
@@ -61,7 +88,7 @@ def iter_compressed_tensors_weights(model_dir: str, config: CompressedTensorsCon
     `keep_quantized` accepts that name, else as its float32 dequantization (--quantization none)."""
     from kvflow.quantization.compressed_tensors import PARTS, required_parts, to_quantized_weight
 
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    pending = _PendingLayers(keep_quantized)
     for name, tensor in iter_safetensors_weights(model_dir):
         module, _, part = name.rpartition(".")
         is_int_weight = part == "weight" and not tensor.dtype.is_floating_point
@@ -74,16 +101,11 @@ def iter_compressed_tensors_weights(model_dir: str, config: CompressedTensorsCon
                              "ignore list say its layer is not")
         if part == "weight_zero_point" and scheme.symmetric:
             continue  # some producers also ship a symmetric layer's (all-zero) zero points
-        parts = pending.setdefault(module, {})
-        parts[part] = tensor
-        if all(p in parts for p in required_parts(scheme)):
-            weight = to_quantized_weight(module, pending.pop(module), scheme)
-            name = f"{module}.weight"
-            yield name, weight if keep_quantized is not None and keep_quantized(name) else weight.dequantize()
-    if pending:
-        module, parts = next(iter(pending.items()))
-        raise ValueError(f"checkpoint is incomplete: quantized layer {module} has only {', '.join(sorted(parts))} "
-                         f"({len(pending)} such layer(s))")
+        done = pending.add(module, part, tensor, required_parts(scheme),
+                           lambda m, parts, scheme=scheme: to_quantized_weight(m, parts, scheme))
+        if done is not None:
+            yield done
+    pending.check_complete("quantized layer")
 
 
 def gptq_config(hf_config: dict[str, Any]):
@@ -105,19 +127,13 @@ def iter_gptq_weights(model_dir: str, config: GPTQConfig, keep_quantized: Callab
     else as its float32 dequantization (--quantization none)."""
     from kvflow.quantization.gptq import PARTS, to_quantized_weight
 
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    pending = _PendingLayers(keep_quantized)
     for name, tensor in iter_safetensors_weights(model_dir):
         module, _, part = name.rpartition(".")
         if part not in PARTS:
             yield name, tensor
             continue
-        parts = pending.setdefault(module, {})
-        parts[part] = tensor
-        if all(p in parts for p in PARTS):
-            weight = to_quantized_weight(module, pending.pop(module), config)
-            name = f"{module}.weight"
-            yield name, weight if keep_quantized is not None and keep_quantized(name) else weight.dequantize()
-    if pending:
-        module, parts = next(iter(pending.items()))
-        raise ValueError(f"checkpoint is incomplete: GPTQ layer {module} has only {', '.join(sorted(parts))} of "
-                         f"{', '.join(PARTS)} ({len(pending)} such layer(s))")
+        done = pending.add(module, part, tensor, PARTS, lambda m, parts: to_quantized_weight(m, parts, config))
+        if done is not None:
+            yield done
+    pending.check_complete("GPTQ layer", PARTS)

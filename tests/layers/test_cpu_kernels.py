@@ -228,9 +228,11 @@ def test_kernel_sources_compile_for_other_cpus(march):
 
 
 def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
-    """Skylake to Ice Lake servers have AVX-512 but not AVX512-BF16: bf16 decode must still run
-    its AVX-512 path there (q.k on float32 FMAs over each key cell's two dims), not the portable
-    loops. Built here for such a CPU (this one runs its code) and checked against the reference."""
+    """Skylake to Ice Lake servers have AVX-512 but not AVX512-BF16. There float32 decode runs its
+    AVX-512 path, and bf16 decode the portable reference (csrc/attention_ref.h): its numerics pair
+    keys as vdpbf16ps does, which only AVX512-BF16 computes natively (docs/architecture.md,
+    "Attention numerics"). Built here for such a CPU (this one runs its code) and checked against
+    the reference in both dtypes."""
     if not kernels.has_gemm_f32:
         pytest.skip("this CPU has no AVX-512: it cannot run code built for skylake-avx512")
     cxx = cpu_kernels._compiler()
@@ -241,9 +243,11 @@ def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
                             text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     skylake = cpu_kernels.CPUKernels(lib)
-    assert not skylake.has_gemm_bf16 and skylake.decode_fast_path(torch.bfloat16, 64)
-    for block_size in (16, 8):
-        lens = batch_lens("edges", block_size, seed=block_size)
-        q, kc, vc, tables, seq_lens = make_paged_case(lens, 6, 2, 64, block_size, torch.bfloat16, seed=block_size)
-        out = skylake.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
-        assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, 0.125), torch.bfloat16)
+    assert not skylake.has_gemm_bf16 and skylake.has_gemm_f32
+    assert skylake.decode_fast_path(torch.float32, 64) and not skylake.decode_fast_path(torch.bfloat16, 64)
+    for dtype in (torch.bfloat16, torch.float32):
+        for block_size in (16, 8):
+            lens = batch_lens("edges", block_size, seed=block_size)
+            q, kc, vc, tables, seq_lens = make_paged_case(lens, 6, 2, 64, block_size, dtype, seed=block_size)
+            out = skylake.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+            assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, 0.125), dtype)

@@ -130,6 +130,14 @@ inline float row_max(const float* row, int64_t len) {
     return _mm512_reduce_max_ps(mx);
 }
 
+// Asks for `bytes` from `p` on into L2 ahead of use (pool blocks lie scattered in memory, so
+// the hardware prefetcher restarts at every block: decode attention waits on each block's
+// first lines unless they were asked for while the previous block was being computed).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
 // The first `left` of 16 lanes (all 16 when left >= 16).
 inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);

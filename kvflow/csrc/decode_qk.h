@@ -115,8 +115,18 @@ void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const
     constexpr int64_t D = NV * 16, G = kKeyGroup<T>;
     const __m512 vscale = _mm512_set1_ps(scale);
     const bool contiguous = block_size % 16 == 0;
+    // The K bytes of one block for this item's heads (contiguous: heads are the block's outer dim).
+    const int64_t item_block_bytes = num_item_heads * D * block_size * static_cast<int64_t>(sizeof(T));
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    // The first group's blocks at once, so their misses overlap instead of coming one by one.
+    for (int64_t b = 0; b < std::min(num_blocks, (16 * kKeyTiles + block_size - 1) / block_size); ++b)
+        prefetch_l2(key_cache + table[b] * block_stride, item_block_bytes);
     for (int64_t t0 = 0; t0 < len; t0 += 16 * kKeyTiles) {
         const int64_t nk = std::min<int64_t>(kKeyTiles, (len - t0 + 15) / 16);
+        // The next group of tiles' blocks, while this group computes (blocks lie scattered).
+        const int64_t b_next = (t0 + 16 * kKeyTiles) / block_size,
+                      b_last = std::min(num_blocks, (t0 + 32 * kKeyTiles + block_size - 1) / block_size);
+        for (int64_t b = b_next; b < b_last; ++b) prefetch_l2(key_cache + table[b] * block_stride, item_block_bytes);
         KeyTile<T> tiles[kKeyTiles];
         for (int64_t i = 0; i < nk; ++i) {
             const int64_t t = t0 + 16 * i;

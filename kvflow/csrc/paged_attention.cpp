@@ -59,9 +59,14 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
     const int64_t rows = num_item_heads * group;
     float* acc = work;
     float* inv_sum = work + rows * head_dim;
-    item_scores<Dt, NV>(q, key_cache, table, len, num_item_heads, group, block_size, block_stride, scale, scores);
-    std::fill(acc, acc + rows * head_dim, 0.f);
+    // V rows of one block for this item's heads: from its first head's row to its last head's end.
+    const int64_t item_v_bytes = ((block_size - 1) * token_stride + num_item_heads * head_dim) * static_cast<int64_t>(sizeof(T));
     const int64_t num_blocks = (len + block_size - 1) / block_size;
+    constexpr int64_t kPrefetchBlocks = 2;  // V blocks asked for ahead of p.V
+    item_scores<Dt, NV>(q, key_cache, table, len, num_item_heads, group, block_size, block_stride, scale, scores);
+    for (int64_t b = 0; b < std::min(num_blocks, kPrefetchBlocks); ++b)  // while the softmax runs
+        kvflow::prefetch_l2(value_cache + table[b] * block_stride, item_v_bytes);
+    std::fill(acc, acc + rows * head_dim, 0.f);
 #if defined(KVFLOW_AVX512BF16)
     if constexpr (std::is_same_v<Dt, BF16>) {
         softmax_rows_bf16(scores, rows, len, inv_sum);
@@ -71,6 +76,8 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
         if (block_size % 2 == 0) {
             for (int64_t b = 0; b < num_blocks; ++b) {
                 const int64_t t_begin = b * block_size, t_end = std::min(len, t_begin + block_size);
+                if (b + kPrefetchBlocks < num_blocks)
+                    kvflow::prefetch_l2(value_cache + table[b + kPrefetchBlocks] * block_stride, item_v_bytes);
                 for (int64_t h = 0; h < num_item_heads; ++h) {
                     const T* vrow0 = value_cache + table[b] * block_stride + h * head_dim;
                     pv_pairs<NV>(p + h * group * 2 * len, 2 * len, group, t_begin, t_end,
@@ -93,6 +100,8 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
     for (int64_t b = 0; b < num_blocks; ++b) {
         const T* vblock = value_cache + table[b] * block_stride;
         const int64_t t_begin = b * block_size, t_end = std::min(len, t_begin + block_size);
+        if (b + kPrefetchBlocks < num_blocks)
+            kvflow::prefetch_l2(value_cache + table[b + kPrefetchBlocks] * block_stride, item_v_bytes);
         for (int64_t h = 0; h < num_item_heads; ++h)
             pv_block<Dt, NV>(scores + h * group * len, group, len, vblock + h * head_dim, t_begin, t_end, token_stride,
                              acc + h * group * head_dim);

@@ -17,7 +17,7 @@
 
 namespace kvflow {
 
-constexpr int64_t kPrefetchPairs = 16;  // 1 KiB ahead in each weight stream
+constexpr int64_t kPrefetchPairs = 64;  // 4 KiB ahead in each weight stream
 
 template <int MT, int NT, typename Store>
 inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,

@@ -16,12 +16,14 @@
 
 #include <omp.h>
 
+#include "gemm_blocking.h"
 #include "kernels.h"
 #include "microkernel.h"
 
 namespace {
 
-constexpr int kTileCols = 16, kNT = 2;
+using kvflow::kNT;
+using kvflow::kTileCols;
 
 // Packing is plain C++ and runs on every machine. KGroup consecutive k share a lane: 2 for
 // bf16 (the pairs vdpbf16ps takes), 1 for float32.
@@ -40,48 +42,7 @@ void pack_weight(const T* w, int64_t n, int64_t k, T* packed) {
     }
 }
 
-// Columns are split across threads in chunks of kNT tiles; each chunk's weight slice
-// (32 columns x K) stays in cache while every row block of x passes over it.
-// `block(r, rows, n0, full)` runs one row block against the chunk starting at column n0
-// (`full`: all kNT tiles exist).
-template <typename Block>
-void for_each_block(int64_t m, int64_t n, Block block) {
-    const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t n0 = c * kTileCols * kNT;
-        const bool full = (n - n0 + kTileCols - 1) / kTileCols >= kNT;
-        // Rows in equal blocks (18 rows: 9 + 9, not 8 + 8 + 2): a short block does as many weight
-        // loads per k as a full one for fewer FMAs. At decode sizes blocks of up to 12 rows
-        // measured 3-10 % faster than 8 (fewer passes over the weight slice); at prefill sizes
-        // 8 measured 3-6 % faster than 12.
-        const int64_t max_rows = m <= 64 ? kvflow::kMaxBlockRows : 8;
-        const int64_t blocks = (m + max_rows - 1) / max_rows;
-        for (int64_t b = 0, r = 0; b < blocks; ++b) {
-            const int64_t rows = m / blocks + (b < m % blocks ? 1 : 0);
-            block(r, rows, n0, full);
-            r += rows;
-        }
-    }
-}
-
 #if defined(KVFLOW_AVX512F)
-// Writes one 16-column float32 accumulator of a row block: + bias, masked at N, rounded to
-// the output dtype.
-template <typename Dt>
-struct StoreRow {
-    typename Dt::T* y;
-    int64_t y_stride, n0, n;
-    const typename Dt::T* bias;
-    inline void operator()(int m, int j, __m512 acc) const {
-        const int64_t col = n0 + j * kTileCols;
-        if (col >= n) return;
-        const __mmask16 mask = kvflow::tail_mask(n - col);
-        if (bias != nullptr) acc = _mm512_add_ps(acc, kvflow::Micro<Dt>::load(bias + col, mask));
-        kvflow::Micro<Dt>::store(y + m * y_stride + col, acc, mask);
-    }
-};
-
 // y = x @ W^T (+ bias) for a weight packed by pack_weight<T, Micro<Dt>::G>.
 template <typename Dt>
 int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const typename Dt::T* packed, int64_t n,
@@ -89,13 +50,15 @@ int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const 
     using M = kvflow::Micro<Dt>;
     if (k % M::G != 0) return -1;
     const int64_t tile_stride = k * kTileCols;
-    for_each_block(m, n, [&](int64_t r, int64_t rows, int64_t n0, bool full) {
-        StoreRow<Dt> store{y + r * y_stride, y_stride, n0, n, bias};
+    kvflow::for_each_chunk(n, [&](int64_t n0, bool full) {
         const typename Dt::T* tile0 = packed + (n0 / kTileCols) * tile_stride;
-        if (full)
-            M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
-        else
-            M::template rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
+        kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
+            kvflow::StoreRow<Dt> store{y + r * y_stride, y_stride, n0, n, bias};
+            if (full)
+                M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
+            else
+                M::template rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
+        });
     });
     return 0;
 }

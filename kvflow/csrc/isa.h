@@ -51,6 +51,10 @@ inline __m256i cvtneps_pbh(__m512 x) {
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
 }
 
+// vcvtne2ps2bf16: b's 16 values, then a's, each rounded as above.
+inline __m512i cvtne2ps_pbh(__m512 a, __m512 b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(cvtneps_pbh(b)), cvtneps_pbh(a), 1);
+}
 // vdpbf16ps as Intel's pseudo-code has it: per lane, the odd pair's product is added to the
 // accumulator, then the even pair's, each an FMA with denormal inputs and results flushed.
 // (SIMDe adds the two products together first, which rounds differently.)
@@ -106,6 +110,8 @@ inline __m256i maskz_loadu_epi16(__mmask16 k, const void* p) {
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps kvflow::simde_shim::dpbf16_ps
 #define _mm512_cvtneps_pbh kvflow::simde_shim::cvtneps_pbh
+#undef _mm512_cvtne2ps_pbh
+#define _mm512_cvtne2ps_pbh kvflow::simde_shim::cvtne2ps_pbh
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps kvflow::simde_shim::mask_storeu_ps
 #undef _mm256_mask_storeu_epi16

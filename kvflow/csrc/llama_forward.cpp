@@ -32,18 +32,31 @@
 
 extern "C" {
 
-// One layer's weights (packed by kvflow_pack_*_weight, in the stack's dtype) and its KV cache;
-// fixed after load.
+// A quantized linear layer's weight in tiles (kvflow_pack_quant_tiles, quant_gemm_bf16.cpp).
+struct KvflowQuantLinear {
+    int64_t bits;
+    const uint8_t* q;
+    const float* scales;
+    const float* offsets;  // may be null
+    int64_t group;
+};
+
+// One layer's weights (packed by kvflow_pack_*_weight, in the stack's dtype, or quantized tiles
+// where the *_q entry is set: bf16 stacks only) and its KV cache; fixed after load.
 struct KvflowLlamaLayer {
     const void* input_norm;
     const void* qkv;
-    const void* qkv_bias;  // may be null
+    const void* qkv_bias;  // may be null; in the stack's dtype
     const void* o_proj;
     const void* post_norm;
     const void* gate_up;
     const void* down;
     void* key_cache;  // [num_blocks, ...]: keys dimension-major, values token-major (common.h)
     void* value_cache;
+    const KvflowQuantLinear* qkv_q;  // null: the packed weight above
+    const KvflowQuantLinear* o_proj_q;
+    const KvflowQuantLinear* gate_up_q;
+    const KvflowQuantLinear* down_q;
 };
 
 struct KvflowLlamaShape {
@@ -70,13 +83,18 @@ struct KvflowStep {
 
 namespace {
 
-inline int gemm(const uint16_t* x, int64_t m, int64_t k, const void* packed, int64_t n, const void* bias,
-                uint16_t* y) {
+inline int gemm(const uint16_t* x, int64_t m, int64_t k, const void* packed, const KvflowQuantLinear* quant,
+                int64_t n, const void* bias, uint16_t* y) {
+    if (quant != nullptr)
+        return kvflow_quant_gemm_bf16(1, x, m, k, k, static_cast<int>(quant->bits), quant->q, quant->scales,
+                                      quant->offsets, quant->group, n, bias, y, n);
     return kvflow_gemm_bf16(x, m, k, k, static_cast<const uint16_t*>(packed), n,
                             static_cast<const uint16_t*>(bias), y, n);
 }
 
-inline int gemm(const float* x, int64_t m, int64_t k, const void* packed, int64_t n, const void* bias, float* y) {
+inline int gemm(const float* x, int64_t m, int64_t k, const void* packed, const KvflowQuantLinear* quant, int64_t n,
+                const void* bias, float* y) {
+    if (quant != nullptr) return -2;  // quantized tiles take bf16 activations
     return kvflow_gemm_f32(x, m, k, k, static_cast<const float*>(packed), n, static_cast<const float*>(bias), y, n);
 }
 
@@ -100,7 +118,7 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
         const KvflowLlamaLayer& L = layers[l];
         KVFLOW_TRY(l == 0 ? kvflow_add_rms_norm(dt, x, nullptr, L.input_norm, h, tokens, H, shape->eps)
                           : kvflow_add_rms_norm(dt, y, x, L.input_norm, h, tokens, H, shape->eps));
-        KVFLOW_TRY(gemm(h, tokens, H, L.qkv, qkv_size, L.qkv_bias, wide));
+        KVFLOW_TRY(gemm(h, tokens, H, L.qkv, L.qkv_q, qkv_size, L.qkv_bias, wide));
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
                                  step->positions, shape->cos, shape->sin, tokens, D, shape->max_position));
@@ -117,11 +135,11 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
                 dt, q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
                 step->block_table_stride, step->query_start + nd, step->seq_lens + nd, attn, q_size, num_prefills,
                 shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
-        KVFLOW_TRY(gemm(attn, tokens, q_size, L.o_proj, H, nullptr, y));
+        KVFLOW_TRY(gemm(attn, tokens, q_size, L.o_proj, L.o_proj_q, H, nullptr, y));
         KVFLOW_TRY(kvflow_add_rms_norm(dt, y, x, L.post_norm, h, tokens, H, shape->eps));
-        KVFLOW_TRY(gemm(h, tokens, H, L.gate_up, 2 * inter, nullptr, wide));
+        KVFLOW_TRY(gemm(h, tokens, H, L.gate_up, L.gate_up_q, 2 * inter, nullptr, wide));
         KVFLOW_TRY(kvflow_silu_and_mul(dt, wide, act, tokens, inter));
-        KVFLOW_TRY(gemm(act, tokens, inter, L.down, H, nullptr, y));
+        KVFLOW_TRY(gemm(act, tokens, inter, L.down, L.down_q, H, nullptr, y));
     }
     return kvflow_add_rms_norm(dt, y, x, shape->final_norm, out, tokens, H, shape->eps);
 }

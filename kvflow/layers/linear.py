@@ -11,7 +11,10 @@ product. `pack_linear_weights` packs each weight once, after the final dtype cas
     results bit-identical to `F.linear`, float32 differing only in summation order);
   - the plain weight where neither applies (not the CPU, KVFLOW_PACKED_LINEAR=0).
 A quantized `Linear` (kvflow/quantization) holds a `QuantizedWeight` instead and runs the
-integer kernel; its plain weight is gone and packing leaves it alone.
+integer kernel; its plain weight is gone. In a bf16 model on a CPU with AVX512-BF16, packing
+turns the quantized weight into the bf16 GEMM's tiles (`quantization/tiles.py`: exactly the bf16
+GEMM on the dequantized weight, as fast in prefill, half or a quarter of the bytes in decode);
+elsewhere it runs the row-layout kernel (`quantization/kernels.py`).
 The plain weight is the source of truth for loading; once a whole model is packed,
 `pack_linear_weights` releases each plain weight no other module shares (the packed copy is
 all the forward pass reads), so the weights are held once, not twice.
@@ -30,6 +33,7 @@ from torch import nn
 from kvflow.layers import cpu_kernels
 from kvflow.layers.memory import empty_on_huge_pages, return_freed_heap
 from kvflow.quantization import kernels as quant_kernels
+from kvflow.quantization import tiles as tile_kernels
 from kvflow.quantization.qweight import QuantizedWeight
 
 
@@ -38,8 +42,9 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None  # the bias in the packed GEMM's dtype (kvflow)
-    packing: str = "plain"  # "kvflow" | "onednn" | "plain" | "quantized"
-    quant_weight: QuantizedWeight | None = None
+    packing: str = "plain"  # "kvflow" | "onednn" | "plain" | "quantized" | "quantized-tiles"
+    quant_weight: QuantizedWeight | None = None  # after tile packing: its record, tensors released
+    quant_tiles: tile_kernels.QuantTiles | None = None
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Run on `weight` from now on; the plain weight is released (a tied one is untied:
@@ -70,6 +75,9 @@ class Linear(nn.Linear):
     def pack(self, out: torch.Tensor | None = None) -> None:
         """Pack the weight for the fastest GEMM this machine has; kvflow's layout goes into
         `out` when given (a contiguous tensor of `kvflow_packed_shape()`)."""
+        if self.quant_weight is not None:
+            self._pack_quantized()
+            return
         if self.weight.device.type == "meta":
             return  # packed already, and the plain weight released
         self.packed_weight, self.packed_bias, self.packing = None, None, "plain"
@@ -96,7 +104,21 @@ class Linear(nn.Linear):
             except RuntimeError:
                 pass
 
+    def _pack_quantized(self) -> None:
+        """bf16 models on AVX512-BF16: the quantized weight in tiles (its row layout released)."""
+        qw = self.quant_weight
+        if (self.quant_tiles is not None or self.weight.dtype != torch.bfloat16 or not tile_kernels.available()
+                or not tile_kernels.supports(qw) or os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0"):
+            return
+        self.quant_tiles, self.packing = tile_kernels.pack(qw), "quantized-tiles"
+        self.quant_weight = qw.released()
+        self._quant_op = self._quant_logits_op = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_tiles is not None:
+            if self._quant_op is None:
+                self._quant_op = tile_kernels.prepare(self.quant_tiles, self.bias)
+            return self._quant_op(x)
         if self.quant_weight is not None:
             if self._quant_op is None:
                 self._quant_op = quant_kernels.prepare(self.quant_weight, self.bias)
@@ -122,7 +144,9 @@ class Linear(nn.Linear):
         if self.quant_weight is None:
             return self(x).float()
         if self._quant_logits_op is None:
-            self._quant_logits_op = quant_kernels.prepare(self.quant_weight, self.bias, float32_out=True)
+            self._quant_logits_op = (
+                tile_kernels.prepare(self.quant_tiles, self.bias, float32_out=True) if self.quant_tiles is not None
+                else quant_kernels.prepare(self.quant_weight, self.bias, float32_out=True))
         return self._quant_logits_op(x)
 
     def release_plain_weight(self) -> None:

@@ -8,7 +8,8 @@ step. `FusedLlamaStack` hands the same kernels, in the same order, to
 bit the modules' (tests/models/test_llama_fused.py compares them).
 
 It is built once after the weights are packed, and only where every op has its kernel:
-weights packed for kvflow's GEMM (bf16 or float32), no per-head q/k norm, the CPU attention
+weights packed for kvflow's GEMM (bf16 or float32) or quantized weights in its tiles (bf16,
+`quantization/tiles.py`), no per-head q/k norm, the CPU attention
 backend with its kernels, and attention shapes the decode and prefill kernels take.
 Anything else (other dtypes, other CPUs, KVFLOW_FUSED_STACK=0) keeps the module path, and so
 does a step whose tensors don't fit (logged once): `steps_run` / `steps_declined` count both.
@@ -36,9 +37,17 @@ logger = logging.getLogger("kvflow")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class _QuantLinear(ctypes.Structure):  # KvflowQuantLinear
+    _fields_ = [("bits", _i64), ("q", _ptr), ("scales", _ptr), ("offsets", _ptr), ("group", _i64)]
+
+
+_LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+
 class _Layer(ctypes.Structure):  # KvflowLlamaLayer
-    _fields_ = [(name, _ptr) for name in (
-        "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "key_cache", "value_cache")]
+    _fields_ = [*((name, _ptr) for name in (
+        "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "key_cache", "value_cache")),
+        *((f"{name}_q", ctypes.POINTER(_QuantLinear)) for name in _LINEARS)]
 
 
 class _Shape(ctypes.Structure):  # KvflowLlamaShape
@@ -77,23 +86,36 @@ class FusedLlamaStack:
         self._fn.argtypes = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr]
         self._fn.restype = ctypes.c_int
         # Every tensor whose address goes to C++ is held here, so it lives as long as the stack.
-        self._keep: list[torch.Tensor] = [rotary.cos_f32, rotary.sin_f32, model.norm.weight]
+        self._keep: list[object] = [rotary.cos_f32, rotary.sin_f32, model.norm.weight]
         self.shape = _Shape(
             dtype=cpu_kernels.DTYPE_CODES[self.dtype], num_layers=len(model.layers), hidden=cfg.hidden_size,
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=cfg.intermediate_size, block_size=0, max_position=rotary.cos_f32.shape[0], eps=model.norm.eps, scale=attn.attn.scale,
             cos=rotary.cos_f32.data_ptr(), sin=rotary.sin_f32.data_ptr(), final_norm=model.norm.weight.data_ptr())
         self.layers = (_Layer * len(model.layers))()
+        self._quant: list[_QuantLinear] = []  # the structs the layers point at
         for entry, layer in zip(self.layers, model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            tensors = {"input_norm": layer.input_layernorm.weight, "qkv": a.qkv_proj.packed_weight,
-                       "qkv_bias": a.qkv_proj.packed_bias, "o_proj": a.o_proj.packed_weight,
-                       "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj.packed_weight,
-                       "down": mlp.down_proj.packed_weight}
+            linears = dict(zip(_LINEARS, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+            qkv_bias = a.qkv_proj.packed_bias
+            if a.qkv_proj.quant_tiles is not None and a.qkv_proj.bias is not None:
+                qkv_bias = a.qkv_proj.bias.detach().to(self.dtype).contiguous()  # as the module's op rounds it
+            tensors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": qkv_bias,
+                       "post_norm": layer.post_attention_layernorm.weight,
+                       **{name: m.packed_weight for name, m in linears.items()}}
             for name, t in tensors.items():
                 if t is not None:
                     setattr(entry, name, t.data_ptr())
                     self._keep.append(t)
+            for name, m in linears.items():
+                tiles = m.quant_tiles
+                if tiles is not None:
+                    q = _QuantLinear(bits=tiles.bits, q=tiles.q.data_ptr(), scales=tiles.scales.data_ptr(),
+                                     offsets=None if tiles.offsets is None else tiles.offsets.data_ptr(),
+                                     group=tiles.group_size)
+                    self._quant.append(q)
+                    self._keep.append(tiles)
+                    setattr(entry, f"{name}_q", ctypes.pointer(q))
         self._caches: list[torch.Tensor] = []
         self.steps_run = 0
         self.steps_declined = 0
@@ -114,9 +136,9 @@ class FusedLlamaStack:
         fits = (
             all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
             and attn.q_norm is None
-            and all(m.packing == "kvflow" for m in linears)
+            and all((m.packing == "kvflow" and m.packed_weight.dtype == dtype)
+                    or (m.packing == "quantized-tiles" and dtype == torch.bfloat16) for m in linears)
             and all(m.bias is None for m in unbiased)
-            and all(m.packed_weight.dtype == dtype for m in linears)
             and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in [*norms, model.norm])
             and kernels.supports(dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
             and kernels.supports_prefill(dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)

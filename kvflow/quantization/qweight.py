@@ -83,6 +83,12 @@ class QuantizedWeight:
         offsets = torch.zeros_like(scales) if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1)
         return QuantizedWeight(q, scales, offsets, 8, group_size, self.in_features, self.source)
 
+    def released(self) -> QuantizedWeight:
+        """This record with its tensors on the meta device: shape, format and source stay visible
+        once another form (`tiles.QuantTiles`) holds the weight."""
+        return replace(self, qweight=self.qweight.to("meta"), scales=self.scales.to("meta"),
+                       offsets=None if self.offsets is None else self.offsets.to("meta"))
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The same weight with output rows reordered (`index` into rows)."""
         return QuantizedWeight(self.qweight[index].contiguous(), self.scales[index].contiguous(),

@@ -1,0 +1,129 @@
+"""Quantized weights packed for the bf16 GEMM's tiles, and the linear op that runs on them.
+
+On CPUs with AVX512-BF16, a quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp:
+each call dequantizes 32 output columns at a time into a bf16 tile in cache and multiplies it
+with the bf16 GEMM's own microkernel. Its result is bit for bit the bf16 GEMM's on
+`bf16(weight.dequantize())`, so a quantized bf16 model is exactly the bf16 model whose weights
+are the quantized ones; and it is as fast as the bf16 GEMM in prefill while streaming 1 or 0.5
+bytes per weight in decode. quant_gemm.cpp (row layout, float32 dot products) stays the path for
+float32 activations and for CPUs without AVX512-BF16.
+
+`QuantTiles` is made once at load from a `QuantizedWeight` (the row layout every checkpoint
+format becomes) and replaces it: the row-layout tensors are released, so the weight is held once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvflow.layers import cpu_kernels
+from kvflow.quantization.qweight import QuantizedWeight
+
+TILE_COLS = 16  # output columns per tile, as in the bf16 GEMM (csrc/gemm_blocking.h)
+
+
+@dataclass
+class QuantTiles:
+    """A `QuantizedWeight` in tile order (csrc/quant_gemm_bf16.cpp describes the layout)."""
+
+    q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)]
+    scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16]
+    offsets: torch.Tensor | None
+    bits: int
+    group_size: int
+    in_features: int
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.offsets.numel() * 4 if self.offsets is not None else 0
+        return self.q.numel() + self.scales.numel() * 4 + extra
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.lib.kvflow_has_quant_gemm_bf16():
+        return None
+    return _bind(kernels.lib)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvflow_quant_tiles_bytes.argtypes = [ctypes.c_int, i64, i64]
+    lib.kvflow_quant_tiles_bytes.restype = i64
+    lib.kvflow_pack_quant_tiles.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.kvflow_pack_quant_tiles.restype = ctypes.c_int
+    lib.kvflow_quant_gemm_bf16.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64,
+                                           ptr, ptr, i64]
+    lib.kvflow_quant_gemm_bf16.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether this machine runs the tile kernel (AVX512-BF16 and the CPU kernels built)."""
+    return _library() is not None
+
+
+def supports(weight: QuantizedWeight) -> bool:
+    """Layouts the tile packing takes: whole k pairs per group (every format kvflow reads)."""
+    k = weight.in_features
+    return k % 2 == 0 and weight.group_size % 2 == 0 and k % weight.group_size == 0
+
+
+def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
+    """The tile form of `weight` (its tensors are only read). `lib` is for tests (an emulated build)."""
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16")
+    if not supports(weight):
+        raise ValueError(f"quantized tiles: groups of {weight.group_size} over {weight.in_features} inputs")
+    n, k = weight.out_features, weight.in_features
+    tiles = -(-n // TILE_COLS)
+    q = torch.empty(lib.kvflow_quant_tiles_bytes(weight.bits, n, k), dtype=torch.uint8)
+    groups = k // weight.group_size
+    scales = torch.empty(tiles, groups, TILE_COLS, dtype=torch.float32)
+    offsets = None if weight.offsets is None else torch.empty_like(scales)
+    src = [t.contiguous() for t in (weight.qweight, weight.scales)]
+    src_offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
+    rc = lib.kvflow_pack_quant_tiles(weight.bits, src[0].data_ptr(), src[1].float().contiguous().data_ptr(),
+                                     None if src_offsets is None else src_offsets.data_ptr(), weight.group_size, n, k,
+                                     q.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr())
+    cpu_kernels.check_rc(rc, "pack_quant_tiles")
+    return QuantTiles(q, scales, offsets, weight.bits, weight.group_size, k, n)
+
+
+def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bool = False,
+            lib: ctypes.CDLL | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """y = x @ bf16(dequant(W))^T (+ bias) for bf16 x [M, K], everything but x bound once (a decode
+    step makes ~120 such calls). The bias is rounded to bf16, as the bf16 model's is; with
+    `float32_out` the output is the float32 accumulator (the LM head's logits)."""
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16")
+    out_dtype = torch.float32 if float32_out else torch.bfloat16
+    bias_t = None if bias is None else bias.detach().to(torch.bfloat16).to(out_dtype).contiguous()
+    k, n = tiles.in_features, tiles.out_features
+    fixed = (tiles.bits, tiles.q.data_ptr(), tiles.scales.data_ptr(),
+             None if tiles.offsets is None else tiles.offsets.data_ptr(), tiles.group_size, n,
+             None if bias_t is None else bias_t.data_ptr())
+    code = 0 if float32_out else 1
+    fn = lib.kvflow_quant_gemm_bf16
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise TypeError(f"this quantized Linear runs on bf16 tiles and got {x.dtype} input on {x.device}")
+        rows = x if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == k else x.reshape(-1, k).contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=out_dtype)
+        rc = fn(code, rows.data_ptr(), rows.shape[0], k, rows.stride(0), *fixed, out.data_ptr(), n)
+        if rc:
+            cpu_kernels.check_rc(rc, "quant_gemm_bf16")
+        return out if rows is x else out.view(*x.shape[:-1], n)
+
+    run.keep = (tiles, bias_t)  # the pointers above stay valid as long as the op lives
+    return run

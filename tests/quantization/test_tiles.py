@@ -1,0 +1,104 @@
+"""Quantized weights in the bf16 GEMM's tiles (csrc/quant_gemm_bf16.cpp, quantization/tiles.py).
+
+The kernel's definition is "the bf16 GEMM on bf16(weight.dequantize())", so each case compares it
+bit for bit with kvflow's own bf16 GEMM on that weight. On CPUs without AVX512-BF16 both run in
+the SIMDe-emulated build (csrc/isa.h), so every CI machine checks the numerics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers import cpu_kernels
+from kvflow.quantization import methods, tiles
+from kvflow.quantization.qweight import QuantizedWeight
+
+
+@pytest.fixture(scope="module")
+def lib(kernels):
+    """(kernels, tile library): native where the CPU has AVX512-BF16, else the emulated build."""
+    k = kernels if kernels.has_gemm_bf16 else cpu_kernels.load_emulated_avx512()
+    return k, tiles._bind(k.lib)
+
+
+def _weights(n: int, k: int, seed: int) -> list[QuantizedWeight]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return [methods.quantize_int8(w), methods.quantize_int8(w, 32), methods.quantize_int4(w, 32),
+            methods.quantize_int4(w, 64)]
+
+
+@pytest.mark.parametrize("n,k,m", [(50, 128, 1), (40, 128, 3), (64, 192, 5), (200, 64, 13), (40, 256, 70)])
+def test_tiles_equal_the_bf16_gemm_on_the_dequantized_weight(lib, n, k, m):
+    kernels, tile_lib = lib
+    g = torch.Generator().manual_seed(n * k + m)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    for qw in _weights(n, k, seed=m):
+        packed = kernels.pack_weight(qw.dequantize(torch.float32).to(torch.bfloat16))
+        t = tiles.pack(qw, lib=tile_lib)
+        assert torch.equal(tiles.prepare(t, lib=tile_lib)(x), kernels.gemm(x, packed, n)), qw.source
+        assert torch.equal(tiles.prepare(t, bias, lib=tile_lib)(x),
+                           kernels.gemm(x, packed, n, bias.to(torch.bfloat16))), f"{qw.source} with a bias"
+        logits = tiles.prepare(t, float32_out=True, lib=tile_lib)(x)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits.to(torch.bfloat16), kernels.gemm(x, packed, n))  # the unrounded accumulator
+
+
+def test_tiles_are_batch_invariant(lib):
+    """A row's output does not depend on the rows beside it (1 row, 12-row blocks, 8-row blocks)."""
+    _, tile_lib = lib
+    qw = methods.quantize_int4(torch.randn(96, 128, generator=torch.Generator().manual_seed(1)), 32)
+    op = tiles.prepare(tiles.pack(qw, lib=tile_lib), lib=tile_lib)
+    x = torch.randn(80, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    whole = op(x)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 15), slice(10, 80)):
+        assert torch.equal(op(x[rows].contiguous()), whole[rows])
+
+
+def test_tiles_pack_a_gguf_q4_1_layout(lib):
+    """4-bit values in GGUF's nibble order with Q4_1's minimum as the offset, as shipped."""
+    kernels, tile_lib = lib
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
+    qw = QuantizedWeight(methods.pack_int4(q), torch.rand(48, 2, generator=g) * 0.05,
+                         -torch.rand(48, 2, generator=g) * 0.3, 4, 32, 64, "gguf:Q4_1")
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    ref = kernels.gemm(x, kernels.pack_weight(qw.dequantize().to(torch.bfloat16)), 48)
+    assert torch.equal(tiles.prepare(tiles.pack(qw, lib=tile_lib), lib=tile_lib)(x), ref)
+
+
+def test_tiles_refuse_what_they_cannot_pack(lib):
+    _, tile_lib = lib
+    qw = methods.quantize_int8(torch.randn(16, 64), 32)
+    odd = QuantizedWeight(qw.qweight[:, :63].contiguous(), qw.scales, None, 8, 63, 63, "int8")
+    assert not tiles.supports(odd)
+    with pytest.raises(ValueError, match="quantized tiles: groups of 63 over 63 inputs"):
+        tiles.pack(odd, lib=tile_lib)
+    op = tiles.prepare(tiles.pack(qw, lib=tile_lib), lib=tile_lib)
+    with pytest.raises(TypeError, match="bf16 tiles and got torch.float32"):
+        op(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_bf16_engine_runs_on_tiles_in_the_fused_stack(bf16_kernels, tiny_models, monkeypatch, method):
+    """On AVX512-BF16 a quantized bf16 model packs its linears as tiles, releases the row layout,
+    and the one-call stack runs them: the same tokens and logprobs as the module path."""
+    path, _ = tiny_models("llama")
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_FUSED_STACK", flag)
+        llm = LLM(path, dtype="bfloat16", quantization=method, kv_cache_memory=1 << 22, max_num_batched_tokens=48)
+        model = llm.engine.runner.model
+        down = model.layers[0].mlp.down_proj
+        assert down.packing == "quantized-tiles" and down.quant_weight.qweight.device.type == "meta"
+        assert down.quant_weight.source == method
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if flag == "1":
+            assert model.fused_stack is not None and model.fused_stack.steps_run > 0
+            assert model.fused_stack.steps_declined == 0
+        results[flag] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert results["1"] == results["0"]

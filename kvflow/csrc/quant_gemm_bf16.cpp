@@ -158,7 +158,7 @@ void fused_rows(const QuantTiles& w, int64_t tile0, const uint16_t* x, int64_t x
         for (int j = 0; j < kNT; ++j) store(r, j, acc[r][j]);
 }
 
-constexpr int64_t kFusedRows = 4;  // up to this many rows skip the stored tile
+constexpr int64_t kFusedRows = 8;  // up to this many rows skip the stored tile (8 x 2 accumulators fit)
 
 // Out: bf16 (bias bf16) or float32 (bias float32): StoreRow<BF16> / StoreRow<F32>.
 template <typename Out, int Bits, bool Offsets>

@@ -20,15 +20,17 @@ from kvflow.layers.triton.common import dot as _dot, interpreted
 
 # Keys per inner tile; the split length is a multiple of it.
 DECODE_BLOCK_N = 32
+# (The split count is a runtime argument, not a constexpr: capturing graphs for a dozen batch
+# sizes then compiles each kernel once, not once per size.)
 # Aim for about this many programs in the first kernel (an H200 has 132 SMs).
 _TARGET_PROGRAMS = 512
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, key_cache, value_cache, block_tables, seq_lens, acc_ptr, ml_ptr, scale,
-                         stride_qt, stride_qh, stride_bt, split_len,
+                         stride_qt, stride_qh, stride_bt, split_len, num_splits,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -60,21 +62,21 @@ def _decode_split_kernel(q_ptr, key_cache, value_cache, block_tables, seq_lens, 
         v = tl.load(value_cache + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
         m_i = m_new
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_G]
+    part = (seq * NUM_HEADS + head) * num_splits + split  # [BLOCK_G]
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(ml_ptr + part * 2, m_i, mask=g_mask)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
 
 @triton.jit
-def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask, d_mask = s < NUM_SPLITS, d < HEAD_DIM
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    s_mask, d_mask = s < num_splits, d < HEAD_DIM
+    part = (seq * NUM_HEADS + head) * num_splits + s
     m = tl.load(ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
@@ -117,11 +119,11 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 names the default; 16-bit ignores it
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, block_tables, seq_lens, acc, ml, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), split_len,
+        q.stride(0), q.stride(1), block_tables.stride(0), split_len, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, DOT_F32=interpreted(), num_warps=4)
     _decode_merge_kernel[(num_seqs, num_heads)](
-        acc, ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4)
+        acc, ml, out, out.stride(0), out.stride(1), num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4)
     return out

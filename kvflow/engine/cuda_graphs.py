@@ -79,18 +79,22 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):
-            meta = self._meta(size)
-            for _ in range(2):  # compiles the Triton kernels and settles cuBLAS' choices outside the graph
-                self.forward(self.input_ids[:size], self.positions[:size], meta)
+            self.graphs[size], self.outputs[size] = self._capture_one(size, pool)
+            pool = self.graphs[size].pool()
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(self.input_ids[:size], self.positions[:size], meta)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
         logger.info("kvflow: captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - start)
+
+    def _capture_one(self, size: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        meta = self._meta(size)
+        for _ in range(2):  # compiles the Triton kernels and settles cuBLAS' choices outside the graph
+            self.forward(self.input_ids[:size], self.positions[:size], meta)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = self.forward(self.input_ids[:size], self.positions[:size], meta)
+        return graph, output
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """A pure decode step of a captured size whose block tables fit the static buffer."""

@@ -30,3 +30,58 @@ def test_only_pure_decode_steps_of_a_captured_size_replay():
     assert graphs.fits(_meta(5, 5, 7))
     assert not graphs.fits(_meta(5, 4, 7))  # a prefill chunk among them: eager
     assert not graphs.fits(_meta(9, 9, 7))  # above the largest size: eager
+
+
+class _EagerReplay:
+    """Stands in for a captured graph on the CPU: a replay reruns the forward on the static buffers
+    and writes into the captured output, as a real replay does."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+        self.output = graphs.forward(graphs.input_ids[:size], graphs.positions[:size], graphs._meta(size))
+        self.replays = 0
+
+    def replay(self) -> None:
+        g = self.graphs
+        self.output.copy_(g.forward(g.input_ids[: self.size], g.positions[: self.size], g._meta(self.size)))
+        self.replays += 1
+
+    def pool(self):
+        return None
+
+
+def test_replays_with_padded_rows_give_the_eager_tokens(tmp_path, monkeypatch):
+    """The runner's replay path (static buffers, padding rows with slot -1 and length 0, a grid
+    sized for max_model_len) through the real model and the CUDA backend's kernels, with each
+    replay rerun eagerly: the greedy tokens are the CPU backend's, and no padded row touched a block."""
+    from kvflow import LLM, SamplingParams
+    from tests.conftest import save_tiny_llama
+    from tests.layers.triton.interpreter import DEVICE, load_kernels
+
+    if DEVICE == "cuda":
+        import pytest
+
+        pytest.skip("on a GPU, tests/engine/test_cuda_greedy.py replays real graphs")
+    load_kernels()
+    from kvflow.layers.cuda_attention import CUDAAttentionBackend
+
+    path = save_tiny_llama(tmp_path / "tiny")[0]
+    prompts = [[5, 9, 13, 200, 7], list(range(20, 57)), [300, 4, 4, 8, 90, 91, 17, 3, 66]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu").generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    monkeypatch.setattr("kvflow.engine.llm_engine.get_attn_backend", lambda device: CUDAAttentionBackend("cpu"))
+    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=96)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(lambda ids, pos, meta: runner.model(ids, pos, runner.kv_caches, meta),
+                          torch.device("cpu"), runner.block_size, 96, max_num_seqs=4)
+    monkeypatch.setattr(graphs, "_capture_one", lambda size, pool: (r := _EagerReplay(graphs, size), r.output))
+    graphs.capture()
+    runner.decode_graphs = graphs
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert graphs.graphs[4].replays > 0  # three sequences decoded as a padded batch of four
+    kv = llm.engine.kv_cache_manager
+    llm.engine.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks

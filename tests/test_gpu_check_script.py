@@ -41,3 +41,11 @@ def test_dry_run_writes_every_part(tmp_path):
     bench = report["llama3_8b"]
     assert bench["prefill"]["all_in_one_step"] and bench["decode"]["batch"] == 4 and bench["all_blocks_free_after"]
     assert report["w_offline"]["output_tokens"] == 12
+
+
+def test_time_limit_stops_the_running_part_and_still_writes(tmp_path):
+    gpu_check = _load()
+    out = tmp_path / "partial.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--time-limit", "0.5"]) == 1
+    report = json.loads(out.read_text())
+    assert report["out_of_time"] and "time-limit" in json.dumps(report)

@@ -1,11 +1,15 @@
 """Which device the engine runs on, and what it must offer, checked at start-up.
 
-`device="auto"` takes the GPU when torch sees one, else the CPU. Nothing here imports anything
+`device="auto"` takes the GPU when torch sees one, else the CPU (`KVFLOW_DEVICE=cpu|cuda`
+decides for "auto" instead: tests/conftest.py pins the CPU, so the suite's CPU tests stay on the
+CPU on a GPU machine, and the CUDA tests ask for cuda by name). Nothing here imports anything
 CUDA-only: torch's CUDA queries answer False on a CPU build, and triton is imported only once
 the CUDA backend is chosen (`layers/cuda_attention.py`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,6 +26,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if kind not in DEVICES or (kind != "cuda" and ":" in name):
         raise ValueError(f"device: {device!r} is not supported; choose auto, cpu or cuda")
     if kind == "auto":
+        pinned = os.environ.get("KVFLOW_DEVICE", "").strip().lower()
+        if pinned and pinned != "auto":  # what "auto" means here (the test suite pins cpu)
+            return resolve_device(pinned)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"

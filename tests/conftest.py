@@ -16,6 +16,8 @@ import torch
 # here, before any test imports triton (tests/layers/triton/interpreter.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# device="auto" means the CPU in the tests, GPU machine or not: the CUDA tests name device="cuda".
+os.environ.setdefault("KVFLOW_DEVICE", "cpu")
 
 DATA = Path(__file__).parent / "data"
 TIE_GAP = 2e-3  # a divergence is a genuine near-tie only if the reference's top-2 logit gap is below this

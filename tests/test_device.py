@@ -12,8 +12,11 @@ from kvflow.device import check_cuda_dtype, check_cuda_engine, resolve_device
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
 
 
-def test_auto_takes_the_gpu_only_when_there_is_one():
+def test_auto_takes_the_gpu_only_when_there_is_one(monkeypatch):
+    monkeypatch.delenv("KVFLOW_DEVICE", raising=False)
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("KVFLOW_DEVICE", "cpu")  # as tests/conftest.py pins it
+    assert resolve_device("auto").type == "cpu"
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device: 'tpu' is not supported"):
         resolve_device("tpu")

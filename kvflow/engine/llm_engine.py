@@ -26,8 +26,8 @@ import torch
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
-from kvflow.device import check_cuda_engine, cuda_memory, resolve_device
-from kvflow.engine.memory_plan import KVCachePlan, cuda_activation_bytes, plan_kv_cache
+from kvflow.device import check_cuda_engine, resolve_device
+from kvflow.engine.memory_plan import KVCachePlan, device_memory_inputs, plan_kv_cache
 from kvflow.engine.model_runner import ModelRunner, SampledTokens
 from kvflow.engine.parallel_sampling import SampleGroup, SampleGroups, prompt_tokens_computed
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
@@ -98,12 +98,10 @@ class LLMEngine:
 
             draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
         self.device = resolve_device(config.device)
-        device_memory, activation_bytes = None, 0
         if self.device.type == "cuda":
             check_cuda_engine(config, self.device, self.dtype)
-            device_memory = cuda_memory(self.device)
-            activation_bytes = cuda_activation_bytes(self.model_config, self.dtype, config.max_num_batched_tokens,
-                                                     config.max_num_seqs)
+        device_memory, activation_bytes = device_memory_inputs(self.device, self.model_config, self.dtype,
+                                                               config.max_num_batched_tokens, config.max_num_seqs)
         # On CUDA a quantized checkpoint (the default model's GGUF blocks) runs dequantized: the
         # integer GEMM kernels are the CPU's.
         quantization = "none" if self.device.type == "cuda" and config.quantization is None else config.quantization

@@ -151,6 +151,21 @@ def cuda_activation_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_
     return 2 * max_num_batched_tokens * per_token + 2 * max_num_seqs * cfg.vocab_size * 4 + (1 << 30)
 
 
+def device_memory_inputs(device: torch.device, cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
+                         max_num_seqs: int, device_memory: int | None = None) -> tuple[tuple[int, int] | None, int]:
+    """(free, total) GPU bytes and the activation reserve for `plan_kv_cache`: (None, 0) on the
+    CPU; `device_memory` names a GPU of that size that need not be present (kvflow plan)."""
+    if device_memory is not None:
+        memory = (device_memory, device_memory)
+    elif device.type == "cuda":
+        from kvflow.device import cuda_memory
+
+        memory = cuda_memory(device)
+    else:
+        return None, 0
+    return memory, cuda_activation_bytes(cfg, dtype, max_num_batched_tokens, max_num_seqs)
+
+
 def plan_kv_cache(
     cfg: ModelConfig,
     dtype: torch.dtype,

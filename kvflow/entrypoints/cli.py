@@ -311,6 +311,8 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    import torch
+
     from kvflow.config import resolve_dtype, resolve_max_model_len
     from kvflow.engine.memory_plan import plan_kv_cache
     from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
@@ -326,7 +328,16 @@ def run_plan(args: argparse.Namespace) -> int:
         from kvflow.spec_decode.draft_model import draft_model_config
 
         draft = draft_model_config(spec, cfg, max_model_len)[1]
-    device_memory, activation_bytes, on_gpu = _planned_device(args, cfg, dtype)
+    from kvflow.device import resolve_device
+    from kvflow.engine.memory_plan import device_memory_inputs
+
+    if args.device_memory is not None and str(args.device).lower() == "cpu":
+        raise ValueError("--device-memory plans for a GPU; it does not go with --device cpu")
+    defaults = EngineConfig()  # plan has no scheduling flags: the activation reserve of the defaults
+    device_memory, activation_bytes = device_memory_inputs(
+        resolve_device(args.device) if args.device_memory is None else torch.device("cuda"), cfg, dtype,
+        defaults.max_num_batched_tokens, defaults.max_num_seqs, args.device_memory)
+    on_gpu = device_memory is not None
     quantization = resolve_quantization(path, "none" if on_gpu and args.quantization is None else args.quantization,
                                         args.quantization_group_size, args.quantize_lm_head, args.dtype)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
@@ -339,25 +350,6 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
     print(plan.describe())
     return 0
-
-
-def _planned_device(args: argparse.Namespace, cfg, dtype) -> tuple[tuple[int, int] | None, int, bool]:
-    """(free, total) GPU bytes to plan for, the activations reserved there, and whether it is a GPU:
-    --device-memory names a GPU that need not be present; --device cuda measures the one present."""
-    from kvflow.device import cuda_memory, resolve_device
-    from kvflow.engine.memory_plan import cuda_activation_bytes
-
-    if args.device_memory is not None:
-        if str(args.device).lower() == "cpu":
-            raise ValueError("--device-memory plans for a GPU; it does not go with --device cpu")
-        device_memory = (args.device_memory, args.device_memory)
-    else:
-        device = resolve_device(args.device)
-        if device.type != "cuda":
-            return None, 0, False
-        device_memory = cuda_memory(device)
-    defaults = EngineConfig()
-    return device_memory, cuda_activation_bytes(cfg, dtype, defaults.max_num_batched_tokens, defaults.max_num_seqs), True
 
 
 # ---- bench ----------------------------------------------------------------------------------

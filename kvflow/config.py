@@ -187,6 +187,14 @@ class EngineConfig:
     # KV cache storage (vLLM's option name): "auto" (the model's dtype) or "int8" (a float16
     # scale per token and KV head beside the blocks: kvflow.layers.kv_int8).
     kv_cache_dtype: str = "auto"
+    # Where the model runs: "auto" (cuda when torch sees a GPU, else cpu), "cpu" or "cuda"
+    # (kvflow.device; the CUDA backend is layers/cuda_attention.py).
+    device: str = "auto"
+    # CUDA: share of the GPU's memory for weights, activations and the KV pool (vLLM's name;
+    # default 0.9 when kv_cache_memory is unset).
+    gpu_memory_utilization: float | None = None
+    # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         from kvflow.layers.kv_int8 import check_kv_cache_dtype
@@ -202,5 +210,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if str(self.device).lower().split(":", 1)[0] not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not supported; choose auto, cpu or cuda")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")

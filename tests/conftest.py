@@ -11,6 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, kvflow's Triton kernels (the CUDA backend's) are tested under Triton's
+# interpreter on CPU tensors. Triton reads this when its modules are first imported, so it is set
+# here, before any test imports triton (tests/layers/triton/interpreter.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# device="auto" means the CPU in the tests, GPU machine or not: the CUDA tests name device="cuda".
+os.environ.setdefault("KVFLOW_DEVICE", "cpu")
+
 DATA = Path(__file__).parent / "data"
 TIE_GAP = 2e-3  # a divergence is a genuine near-tie only if the reference's top-2 logit gap is below this
 

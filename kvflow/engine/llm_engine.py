@@ -26,7 +26,8 @@ import torch
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
-from kvflow.engine.memory_plan import KVCachePlan, plan_kv_cache
+from kvflow.device import check_cuda_engine, resolve_device
+from kvflow.engine.memory_plan import KVCachePlan, device_memory_inputs, plan_kv_cache
 from kvflow.engine.model_runner import ModelRunner, SampledTokens
 from kvflow.engine.parallel_sampling import SampleGroup, SampleGroups, prompt_tokens_computed
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
@@ -96,7 +97,15 @@ class LLMEngine:
             from kvflow.spec_decode.draft_model import draft_model_config
 
             draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
-        self.quantization = resolve_quantization(path, config.quantization, config.quantization_group_size,
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            check_cuda_engine(config, self.device, self.dtype)
+        device_memory, activation_bytes = device_memory_inputs(self.device, self.model_config, self.dtype,
+                                                               config.max_num_batched_tokens, config.max_num_seqs)
+        # On CUDA a quantized checkpoint (the default model's GGUF blocks) runs dequantized: the
+        # integer GEMM kernels are the CPU's.
+        quantization = "none" if self.device.type == "cuda" and config.quantization is None else config.quantization
+        self.quantization = resolve_quantization(path, quantization, config.quantization_group_size,
                                                  config.quantize_lm_head, config.dtype)
         self.plan: KVCachePlan = plan_kv_cache(
             self.model_config,
@@ -108,10 +117,13 @@ class LLMEngine:
             draft=draft_cfg,
             quantization=self.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
+            device_memory=device_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            activation_bytes=activation_bytes,
         )
-        attn_backend = get_attn_backend("cpu")
+        attn_backend = get_attn_backend(self.device)
         model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed,
-                           self.quantization)
+                           self.quantization, device=self.device)
         self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -124,8 +136,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids,
-            config.kv_cache_dtype,
+            config.kv_cache_dtype, device=self.device,
         )
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.speculator = None
         if spec is not None:
             draft = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.config import ModelConfig
+from kvflow.device import DEFAULT_GPU_MEMORY_UTILIZATION
 from kvflow.quantization.config import QuantizationConfig
 
 # 512 MiB: 23,000 tokens of SmolLM2 in bf16 (2.8 sequences at its full 8,192 context, 32 at
@@ -119,6 +120,52 @@ def system_memory_bytes() -> int:
     return total
 
 
+def _device_budget(device_memory: tuple[int, int], kv_cache_memory: int | None, utilization: float | None,
+                   weight_bytes: int, activation_bytes: int) -> tuple[int, str]:
+    """The KV budget on a GPU with (free, total) bytes, and the setting it came from."""
+    free, total = device_memory
+    others = weight_bytes + activation_bytes
+    if kv_cache_memory is not None:
+        if kv_cache_memory + others > free:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory} ({_fmt_bytes(kv_cache_memory)}) with {_fmt_bytes(weight_bytes)} "
+                f"of weights and {_fmt_bytes(activation_bytes)} of activations exceeds the GPU's free memory "
+                f"({_fmt_bytes(free)} of {_fmt_bytes(total)}): lower kv_cache_memory, or leave it unset to take "
+                f"gpu_memory_utilization ({DEFAULT_GPU_MEMORY_UTILIZATION}) of the GPU")
+        return int(kv_cache_memory), f"kv_cache_memory={kv_cache_memory}"
+    utilization = DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    in_use = total - free  # other processes, and this one's CUDA context
+    return int(utilization * total) - in_use - others, f"gpu_memory_utilization={utilization}"
+
+
+def cuda_activation_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """What a step needs on the GPU beside weights and KV: twice the largest per-token
+    intermediates of a full token budget (QKV, gate/up, the residual stream), float32 logits of
+    every sampled row and a copy, and 1 GiB for cuBLAS workspaces, CUDA graph pools and the
+    allocator's slack."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    per_token = (4 * cfg.hidden_size + 2 * cfg.intermediate_size + qkv) * elem
+    return 2 * max_num_batched_tokens * per_token + 2 * max_num_seqs * cfg.vocab_size * 4 + (1 << 30)
+
+
+def device_memory_inputs(device: torch.device, cfg: ModelConfig, dtype: torch.dtype, max_num_batched_tokens: int,
+                         max_num_seqs: int, device_memory: int | None = None) -> tuple[tuple[int, int] | None, int]:
+    """(free, total) GPU bytes and the activation reserve for `plan_kv_cache`: (None, 0) on the
+    CPU; `device_memory` names a GPU of that size that need not be present (kvflow plan)."""
+    if device_memory is not None:
+        memory = (device_memory, device_memory)
+    elif device.type == "cuda":
+        from kvflow.device import cuda_memory
+
+        memory = cuda_memory(device)
+    else:
+        return None, 0
+    return memory, cuda_activation_bytes(cfg, dtype, max_num_batched_tokens, max_num_seqs)
+
+
 def plan_kv_cache(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -130,13 +177,26 @@ def plan_kv_cache(
     draft: ModelConfig | None = None,
     quantization: QuantizationConfig | None = None,
     kv_cache_dtype: str = "auto",
+    device_memory: tuple[int, int] | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> KVCachePlan:
     """`draft`: a speculative draft model, whose weights and KV cache (as many tokens as the
     target's) come out of the same budget. `quantization`: the linear weights' format (the
     embedding and LM head stay in `dtype`; a quantized head is not counted as smaller).
-    `kv_cache_dtype`: the target's KV storage ("auto" or "int8"; a draft keeps `dtype`)."""
+    `kv_cache_dtype`: the target's KV storage ("auto" or "int8"; a draft keeps `dtype`).
+    `device_memory`: (free, total) bytes of the GPU the pool goes on (None: the CPU); there the
+    default budget is `gpu_memory_utilization` (0.9) of the total, less what is already in use,
+    the weights and `activation_bytes`, and a `kv_cache_memory` that does not fit is refused."""
     if kv_cache_memory is not None and memory_utilization is not None:
         raise ValueError("kv_cache_memory and memory_utilization: set one, not both")
+    if gpu_memory_utilization is not None and device_memory is None:
+        raise ValueError("gpu_memory_utilization applies to --device cuda (or kvflow plan --device-memory); "
+                         "on the CPU use memory_utilization or kv_cache_memory")
+    if device_memory is not None and memory_utilization is not None:
+        raise ValueError("memory_utilization is a share of host memory (the CPU backend's setting); "
+                         "on a GPU set gpu_memory_utilization or kv_cache_memory")
+    if gpu_memory_utilization is not None and kv_cache_memory is not None:
+        raise ValueError("kv_cache_memory and gpu_memory_utilization: set one, not both")
     elem = torch.tensor([], dtype=dtype).element_size()
     weight_bytes = cfg.num_parameters() * elem
     if quantization is not None:
@@ -144,12 +204,15 @@ def plan_kv_cache(
         weight_bytes += int(linear * quantization.bytes_per_weight()) - linear * elem
     bytes_per_token = cfg.kv_bytes_per_token(dtype, kv_cache_dtype)
     by_kv_dtype = {_dtype_name(dtype): cfg.kv_bytes_per_token(dtype)}
-    if cfg.head_dim % 4 == 0:  # what the int8 cache's key cells need
+    if cfg.head_dim % 4 == 0 and device_memory is None:  # (CPU only) what the int8 cache's key cells need
         by_kv_dtype["int8"] = cfg.kv_bytes_per_token(dtype, "int8")
     draft_bpt = draft.kv_bytes_per_token(dtype) if draft is not None else 0
     draft_weights = draft.num_parameters() * elem if draft is not None else 0
     one_sequence = -(-max_model_len // block_size) * block_size * (bytes_per_token + draft_bpt)
-    if memory_utilization is not None:
+    if device_memory is not None:
+        budget, source = _device_budget(device_memory, kv_cache_memory, gpu_memory_utilization,
+                                        weight_bytes + draft_weights, activation_bytes)
+    elif memory_utilization is not None:
         if not 0 < memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
         budget = int(memory_utilization * system_memory_bytes()) - weight_bytes - draft_weights - activation_bytes

@@ -16,6 +16,7 @@ slice at a time (`prompt_logprobs.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,13 +77,16 @@ class ModelRunner:
         dtype: torch.dtype,
         eos_token_ids: list[int],
         kv_cache_dtype: str = "auto",
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
+        self.device = torch.device(device)
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
         self.kv_caches = attn_backend.allocate_kv_caches(
             model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype, kv_cache_dtype)
+        self.decode_graphs = None  # CUDA graphs of decode steps, once captured
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
 
@@ -135,10 +139,39 @@ class ModelRunner:
             sampled=[items[i] for i in sampled],
         )
 
+    def _to_device(self, inputs: ModelInput) -> ModelInput:
+        """The step's tensors on the model's device (built on the host with numpy)."""
+        if self.device.type == "cpu":
+            return inputs
+        return dataclasses.replace(
+            inputs, input_ids=inputs.input_ids.to(self.device, non_blocking=True),
+            positions=inputs.positions.to(self.device, non_blocking=True),
+            attn_metadata=inputs.attn_metadata.to(self.device),
+            logits_indices=inputs.logits_indices.to(self.device, non_blocking=True))
+
+    def _forward(self, inputs: ModelInput) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """CUDA: record decode forwards for replay (`cuda_graphs.py`); other steps stay eager."""
+        from kvflow.engine.cuda_graphs import DecodeGraphs
+
+        def forward(input_ids, positions, meta):
+            return self.model(input_ids, positions, self.kv_caches, meta)
+
+        graphs = DecodeGraphs(forward, self.device, self.block_size, max_model_len, max_num_seqs)
+        graphs.capture()
+        self.decode_graphs = graphs
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
-        inputs = self.prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        host = self.prepare_inputs(out)
+        if self.decode_graphs is not None and self.decode_graphs.fits(host.attn_metadata):
+            hidden = self.decode_graphs.run(host.input_ids, host.positions, host.attn_metadata)
+            inputs = dataclasses.replace(host, logits_indices=host.logits_indices.to(self.device))
+        else:
+            inputs = self._to_device(host)
+            hidden = self._forward(inputs)
         prompt_logprobs = compute_prompt_logprobs(hidden, out.scheduled, inputs.attn_metadata.query_start_loc,
                                                   self.model.compute_logits)
         if not inputs.sampled:
@@ -152,6 +185,10 @@ class ModelRunner:
         meta = self._sampling_metadata(seqs, [s.output_token_ids for s in seqs], logits.shape[-1])
         if any(s.grammar_state is not None for s in seqs):  # structured output: allowed tokens of each row
             meta.token_bitmask = fill_token_bitmask([s.grammar_state for s in seqs], logits.shape[-1])
+        if logits.device.type != "cpu" and not (meta.all_greedy and meta.token_bitmask is None):
+            # Everything but a plain greedy batch samples on the host, where the seeded
+            # generators and the sampling metadata live: a request's draws are the same on any device.
+            logits = logits.cpu()
         result = self.sampler(logits, meta)
         return [SampledTokens(s, [t], None if lp is None else [lp])
                 for s, t, lp in zip(seqs, result.token_ids, result.logprobs)]
@@ -162,6 +199,7 @@ class ModelRunner:
         Row j of a speculating sequence is sampled as if drafts[:j] were already its output,
         so penalties and min_tokens see exactly what they would have seen one token at a time.
         """
+        logits = logits.cpu()  # the rejection sampler's indices and generators are the host's
         starts = np.cumsum([0] + [len(it.spec_token_ids) + 1 for it in items])
         plain = [i for i, it in enumerate(items) if not it.spec_token_ids]
         spec = [i for i, it in enumerate(items) if it.spec_token_ids]

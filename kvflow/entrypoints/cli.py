@@ -60,6 +60,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 512MiB, or one max-model-len sequence if more)")
     mem.add_argument("--memory-utilization", type=float, default=None,
                      help="or: fraction of machine memory for weights + KV cache")
+    mem.add_argument("--gpu-memory-utilization", type=float, default=None,
+                     help="or, on cuda: fraction of the GPU's memory for weights, activations and the KV cache "
+                          "(default 0.9)")
+    g.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible, else cpu), cpu or cuda")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +77,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                    help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: run decode steps eagerly, without capturing CUDA graphs")
     g.add_argument("--generation-config", default="auto",
                    help="sampling defaults for fields a request leaves unset: auto (the model's own: "
                         "generation_config.json, GGUF metadata, or for the default model its card's "
@@ -298,10 +304,15 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="plan a draft model's weights and KV cache beside the target's")
+    p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="plan for a GPU with this much free memory, e.g. 141GiB (without it, --device cuda "
+                        "plans for the GPU present)")
     p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    import torch
+
     from kvflow.config import resolve_dtype, resolve_max_model_len
     from kvflow.engine.memory_plan import plan_kv_cache
     from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
@@ -317,11 +328,25 @@ def run_plan(args: argparse.Namespace) -> int:
         from kvflow.spec_decode.draft_model import draft_model_config
 
         draft = draft_model_config(spec, cfg, max_model_len)[1]
-    quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
-                                        args.quantize_lm_head, args.dtype)
+    from kvflow.device import resolve_device
+    from kvflow.engine.memory_plan import device_memory_inputs
+
+    if args.device_memory is not None and str(args.device).lower() == "cpu":
+        raise ValueError("--device-memory plans for a GPU; it does not go with --device cpu")
+    defaults = EngineConfig()  # plan has no scheduling flags: the activation reserve of the defaults
+    device_memory, activation_bytes = device_memory_inputs(
+        resolve_device(args.device) if args.device_memory is None else torch.device("cuda"), cfg, dtype,
+        defaults.max_num_batched_tokens, defaults.max_num_seqs, args.device_memory)
+    on_gpu = device_memory is not None
+    quantization = resolve_quantization(path, "none" if on_gpu and args.quantization is None else args.quantization,
+                                        args.quantization_group_size, args.quantize_lm_head, args.dtype)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
                          memory_utilization=args.memory_utilization, draft=draft, quantization=quantization,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype, device_memory=device_memory,
+                         gpu_memory_utilization=args.gpu_memory_utilization, activation_bytes=activation_bytes)
+    if device_memory is not None:
+        print(f"device: GPU with {device_memory[0] / (1 << 30):.2f} GiB free of {device_memory[1] / (1 << 30):.2f} GiB "
+              f"(activations reserved: {activation_bytes / (1 << 30):.2f} GiB)")
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
     print(plan.describe())
     return 0

@@ -14,6 +14,7 @@ KV cache layout per layer: one tensor [2, num_blocks, block_size, num_kv_heads, 
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ class AttentionMetadata:
     # not given (the runner passes views of the arrays it already has).
     query_start_tensor: torch.Tensor | None = None
     seq_lens_tensor: torch.Tensor | None = None
+    # A bound on every decode length that fixes a GPU kernel's grid (a CUDA graph's replays
+    # pass max_model_len and leave the host lists stale); None: max of the decodes' seq_lens.
+    max_decode_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.query_start_tensor is None:
@@ -46,6 +50,14 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The same step with its tensors on `device` (the host lists stay as they are)."""
+        return dataclasses.replace(
+            self, slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            query_start_tensor=self.query_start_tensor.to(device, non_blocking=True),
+            seq_lens_tensor=self.seq_lens_tensor.to(device, non_blocking=True))
 
     @property
     def decode_seq_lens(self) -> torch.Tensor:
@@ -243,11 +255,15 @@ _PYTORCH = CPUAttentionBackend(use_kernels=False)
 
 
 def get_attn_backend(device: torch.device | str) -> AttentionBackend:
-    """The backend for a device. CUDA gets its own (paged flash attention) behind this interface."""
-    kind = torch.device(device).type
-    if kind == "cpu":
+    """The backend for a device: the CPU's kernels, or on CUDA Triton's (imported only then)."""
+    device = torch.device(device)
+    if device.type == "cpu":
         return CPUAttentionBackend()
-    raise ValueError(f"device: no attention backend for {kind!r} yet (available: cpu)")
+    if device.type == "cuda":
+        from kvflow.layers.cuda_attention import CUDAAttentionBackend
+
+        return CUDAAttentionBackend(device)
+    raise ValueError(f"device: no attention backend for {device.type!r} (available: cpu, cuda)")
 
 
 class Attention(torch.nn.Module):

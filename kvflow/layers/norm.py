@@ -23,6 +23,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or, given a residual, (norm(residual + x), residual + x)."""
+        if x.is_cuda:
+            from kvflow.layers.triton import elementwise  # the CUDA path only: triton is imported there
+
+            if elementwise.enabled():
+                return elementwise.add_rms_norm(x, residual, self.weight, self.eps)  # residual updated in place
         operands = (x, self.weight) if residual is None else (x, residual, self.weight)
         kernels = cpu_kernels.for_tensors(*operands)
         if kernels is not None:

@@ -64,6 +64,12 @@ class RotaryEmbedding(nn.Module):
 
         q and k may be row-strided views into a fused QKV output (heads contiguous).
         """
+        if q.is_cuda and q.dtype == k.dtype and q.stride(2) == 1 and k.stride(2) == 1:
+            from kvflow.layers.triton import elementwise  # the CUDA path only: triton is imported there
+
+            if elementwise.enabled():
+                elementwise.rotary_(q, k, positions, self.cos_cache, self.sin_cache)
+                return q, k
         kernels = cpu_kernels.load()
         if (
             kernels is not None

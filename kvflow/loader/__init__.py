@@ -163,15 +163,18 @@ def _resolve_hf_checkpoint(path: str, quantization: str | None, config: Quantiza
 
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend, load_format: str = "auto", seed: int = 0,
-    quantization: QuantizationConfig | None = None,
+    quantization: QuantizationConfig | None = None, device: torch.device | str = "cpu",
 ) -> nn.Module:
     """Build the model on the CPU in `dtype` and fill its weights (random ones for "dummy"),
-    then quantize its linear layers as `quantization` says."""
+    then quantize its linear layers as `quantization` says; on another `device`, move it there
+    (dummy weights are drawn there directly: an 8B model's 16 GB are not first drawn on the host)."""
+    device = torch.device(device)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build parameters directly in the compute dtype: no fp32 copy of a big model
     try:
-        with torch.device("cpu"), _no_weight_init():
+        build_on = device if load_format == "dummy" else torch.device("cpu")
+        with build_on, _no_weight_init():
             model = build_model(cfg, backend)
     finally:
         torch.set_default_dtype(previous)
@@ -186,6 +189,7 @@ def load_model(
             weights = _quantized_as_loaded(weights, quantization)
         model.load_weights(weights)
     model.to(dtype)  # also casts the rotary tables once
+    model.to(device)
     model.eval()
     if quantization is not None:
         formats = quantize_model(model, quantization)

@@ -189,7 +189,8 @@ def load_model(
             weights = _quantized_as_loaded(weights, quantization)
         model.load_weights(weights)
     model.to(dtype)  # also casts the rotary tables once
-    model.to(device)
+    if device.type != "cpu":  # (a quantized Linear's released float weight is on meta: nothing to move)
+        model.to(device)
     model.eval()
     if quantization is not None:
         formats = quantize_model(model, quantization)

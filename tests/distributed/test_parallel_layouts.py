@@ -1,0 +1,54 @@
+"""Greedy fp32 tokens with T=2, P=2 and T=2 x P=2 equal T=1's (tie rule), under batching,
+chunked prefill, prefix caching and preemption, in worker processes talking over gloo.
+
+The reference is transformers on the same random weights; every layout is checked against it
+with the same tie rule as the single-process engine, and every KV block must be back after.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from tests.conftest import check_greedy_run
+from tests.distributed.conftest import NEW_TOKENS, engine_kwargs
+
+# min_tokens bans EOS, so the driver samples the logits that come back; ignore_eos keeps the
+# bare greedy pick, which the output rank takes itself (only token ids come back).
+LOGITS_PATH = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+ARGMAX_PATH = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _run_layout(model, tp: int, pp: int) -> LLM:
+    path, prompts, refs = model
+    llm = LLM(path, **engine_kwargs(path, tp, pp))
+    label = f"T={tp} P={pp}"
+    check_greedy_run(llm, prompts, refs, LOGITS_PATH, f"{label} logits path")
+    assert llm.engine.scheduler.num_preemptions > 0, "the workload was meant to preempt"
+    assert llm.engine.kv_cache_manager.prefix_stats.hits > 0, "the shared prefix was meant to hit the cache"
+    check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} argmax path")
+    check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} alone", [len(prompts) - 1])
+    return llm
+
+
+def test_single_process_reference(tiny_gqa):
+    """The same workload and limits on one process (uni): the baseline the layouts must match."""
+    path, prompts, refs = tiny_gqa
+    llm = LLM(path, **engine_kwargs(path))
+    check_greedy_run(llm, prompts, refs, LOGITS_PATH, "T=1")
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_tensor_parallel_2(tiny_gqa):
+    llm = _run_layout(tiny_gqa, 2, 1)
+    assert len(llm.engine.distributed.executor.worker_pids) == 2
+    llm.shutdown()
+
+
+def test_pipeline_parallel_2(tiny_gqa):
+    _run_layout(tiny_gqa, 1, 2).shutdown()
+
+
+def test_tensor_2_by_pipeline_2_replicated_kv_head(tiny_mqa):
+    """4 ranks; T=2 exceeds the model's single KV head, so each stage's two ranks hold a copy."""
+    _run_layout(tiny_mqa, 2, 2).shutdown()

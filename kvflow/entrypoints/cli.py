@@ -56,6 +56,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "head; 1.94x the tokens of bf16 for head_dim 64)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each layer is split across (heads, MLP, vocabulary); kv-cache-memory is per rank")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="stages the layers are split into (contiguous ranges, one batch in flight)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp", "ray"),
+                   help="uni: this process (one rank); mp: one spawned process per rank (default for more "
+                        "than one); ray: not implemented yet")
     mem = g.add_mutually_exclusive_group()
     mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 512MiB, or one max-model-len sequence if more)")
     mem.add_argument("--memory-utilization", type=float, default=None,
@@ -298,6 +305,9 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="plan a draft model's weights and KV cache beside the target's")
+    p.add_argument("--device-memory", type=parse_bytes, default=None,
+                   help="memory of each device (e.g. 80GiB): each rank's KV cache is --memory-utilization "
+                        "(default 0.9) of it minus the rank's weights; prints one row per rank")
     p.set_defaults(func=run_plan)
 
 
@@ -319,11 +329,33 @@ def run_plan(args: argparse.Namespace) -> int:
         draft = draft_model_config(spec, cfg, max_model_len)[1]
     quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
                                         args.quantize_lm_head, args.dtype)
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 or args.device_memory is not None:
+        return _plan_ranks(args, path, cfg, dtype, max_model_len, quantization)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
                          memory_utilization=args.memory_utilization, draft=draft, quantization=quantization,
                          kv_cache_dtype=args.kv_cache_dtype)
     print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
     print(plan.describe())
+    return 0
+
+
+def _plan_ranks(args: argparse.Namespace, path: str, cfg, dtype, max_model_len: int, quantization) -> int:
+    """`kvflow plan -tp T -pp P [--device-memory 80GiB]`: one row per rank (kvflow.distributed.plan)."""
+    from kvflow.distributed.config import ParallelConfig
+    from kvflow.distributed.plan import describe_ranks, plan_ranks
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    plans = plan_ranks(cfg, parallel, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
+                       device_memory=args.device_memory, memory_utilization=args.memory_utilization,
+                       quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
+    memory = (f"{args.device_memory / (1 << 30):.0f} GiB per device x {args.memory_utilization or 0.9}"
+              if args.device_memory is not None else "kv-cache-memory per rank")
+    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters, "
+          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, {cfg.num_hidden_layers} layers)")
+    print(f"layout: {parallel.world_size} ranks = tensor_parallel_size {parallel.tensor_parallel_size} x "
+          f"pipeline_parallel_size {parallel.pipeline_parallel_size}; {memory}; dtype "
+          f"{str(dtype).removeprefix('torch.')}, KV {plans[0].kv_dtype_name}, max model len {max_model_len:,}")
+    print(describe_ranks(plans, parallel, cfg))
     return 0
 
 

@@ -40,15 +40,23 @@ def test_single_process_reference(tiny_gqa):
 
 
 def test_tensor_parallel_2(tiny_gqa):
+    """Workers spawned (the default start method): fresh interpreters, as a user's run gets them."""
     llm = _run_layout(tiny_gqa, 2, 1)
     assert len(llm.engine.distributed.executor.worker_pids) == 2
     llm.shutdown()
 
 
-def test_pipeline_parallel_2(tiny_gqa):
+@pytest.fixture
+def forked_workers(monkeypatch):
+    """Forked workers start in under a second instead of ~10 s (torch imported once): the same
+    worker code, which keeps this file inside the suite's time budget."""
+    monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")
+
+
+def test_pipeline_parallel_2(tiny_gqa, forked_workers):
     _run_layout(tiny_gqa, 1, 2).shutdown()
 
 
-def test_tensor_2_by_pipeline_2_replicated_kv_head(tiny_mqa):
+def test_tensor_2_by_pipeline_2_replicated_kv_head(tiny_mqa, forked_workers):
     """4 ranks; T=2 exceeds the model's single KV head, so each stage's two ranks hold a copy."""
     _run_layout(tiny_mqa, 2, 2).shutdown()

@@ -362,9 +362,9 @@ def _plan_ranks(args: argparse.Namespace, path: str, cfg, dtype, max_model_len: 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
     """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,roofline}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import latency, prefix, quality, roofline, serve, speculative, throughput
+    from kvflow.bench import collectives, latency, prefix, quality, roofline, serve, speculative, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, roofline")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, roofline, collectives")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -375,6 +375,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
+        ("collectives", collectives, "µs per gloo all-reduce and stage-to-stage send at decode/prefill sizes", False),
     ]
     for name, module, help_text, runs_engine in benches:
         b = kinds.add_parser(name, help=help_text)

@@ -42,3 +42,14 @@ def test_rank_shares():
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size, local.vocab_size,
             local.num_hidden_layers) == (2, 1, 40, 80, 2)
     assert par.output_rank == 4
+
+
+@pytest.mark.parametrize("command", [["serve"], ["bench", "throughput"], ["generate", "hi"]])
+def test_cli_flags_reach_the_engine_config(command):
+    from kvflow.entrypoints.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(command + ["-tp", "2", "--pipeline-parallel-size", "3",
+                                                "--distributed-executor-backend", "mp"])
+    config = engine_config_from_args(args)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size,
+            config.distributed_executor_backend) == (2, 3, "mp")

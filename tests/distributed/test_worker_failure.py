@@ -70,3 +70,37 @@ def test_worker_that_cannot_start_says_why(tiny_gqa, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(RuntimeError, match=r"worker rank 0 failed to start: .*"):
         LLM(str(broken), **engine_kwargs(str(broken), 1, 1, backend="mp"))
+
+
+def test_server_engine_stops_and_reports_the_worker(tiny_gqa):
+    """Behind the server: the streams in flight end with the worker's failure, the engine stops
+    (so /health answers 503 and `kvflow serve` exits 1), and its blocks are all free."""
+    import asyncio
+
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.config import EngineConfig
+    from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError
+
+    path, prompts, _ = tiny_gqa
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=path, **engine_kwargs(path, 2, 1))))
+
+    async def scenario() -> list:
+        streams = [await engine.add_request(f"s{i}", {"prompt_token_ids": p}, PARAMS) for i, p in enumerate(prompts[:3])]
+        await streams[0].next()  # the batch is running
+        os.kill(engine.engine.distributed.executor.worker_pids[1], signal.SIGKILL)
+        errors = []
+        for stream in streams:
+            with pytest.raises(EngineDeadError) as info:
+                while await stream.next() is not None:
+                    pass
+            errors.append(str(info.value))
+        return errors
+
+    started = time.monotonic()
+    errors = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert time.monotonic() - started < 15
+    assert all("worker rank 1" in e and "died" in e for e in errors), errors
+    assert not engine.is_running
+    kv = engine.engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    engine.shutdown()

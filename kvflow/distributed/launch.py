@@ -34,11 +34,8 @@ class DistributedLaunch:
 def check_servable(parallel: ParallelConfig, config: EngineConfig, model_config: ModelConfig, quantization) -> None:
     """Refuse, before any process starts, what the distributed path does not run."""
     parallel.check_model(model_config)
-    if parallel.backend == "ray":
-        raise ValueError("distributed_executor_backend='ray' is not implemented yet; use 'mp' (one process per "
-                         "rank on this machine)")
     cores = os.cpu_count() or 1
-    if parallel.world_size > cores and os.environ.get("KVFLOW_OVERSUBSCRIBE") != "1":
+    if parallel.backend == "mp" and parallel.world_size > cores and os.environ.get("KVFLOW_OVERSUBSCRIBE") != "1":
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks, but this "
                          f"machine has {cores} CPU cores (KVFLOW_OVERSUBSCRIBE=1 runs them anyway, sharing cores)")
     if config.speculative_config is not None and config.speculative_config.method == "draft_model":
@@ -64,7 +61,12 @@ def launch(parallel: ParallelConfig, config: EngineConfig, path: str, model_conf
         return WorkerSpec(path, model_config, parallel, dtype, config.load_format, config.seed, quantization,
                           plan.num_blocks, config.block_size, config.kv_cache_dtype, init_method, threads)
 
-    executor = MPExecutor(spec, parallel.world_size, parallel.output_rank)
+    if parallel.backend == "ray":  # the cluster's CPUs are checked once connected
+        from kvflow.distributed.ray_executor import RayExecutor
+
+        executor: Executor = RayExecutor(spec, parallel.world_size, parallel.output_rank)
+    else:
+        executor = MPExecutor(spec, parallel.world_size, parallel.output_rank)
     seconds = time.perf_counter() - start
     logger.info("kvflow: %d workers (%s) ready in %.1f s, %d thread(s) each\n%s", parallel.world_size,
                 parallel.describe(), seconds, threads, describe_ranks(plans, parallel, model_config))

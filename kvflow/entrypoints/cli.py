@@ -62,7 +62,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="stages the layers are split into (contiguous ranges, one batch in flight)")
     g.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp", "ray"),
                    help="uni: this process (one rank); mp: one spawned process per rank (default for more "
-                        "than one); ray: not implemented yet")
+                        "than one); ray: Ray actors on RAY_ADDRESS's cluster or a local one (pip install 'kvflow[ray]')")
     mem = g.add_mutually_exclusive_group()
     mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 512MiB, or one max-model-len sequence if more)")
     mem.add_argument("--memory-utilization", type=float, default=None,

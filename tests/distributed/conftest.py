@@ -54,3 +54,10 @@ def tiny_gqa(tmp_path_factory):
 def tiny_mqa(tmp_path_factory):
     """4 query heads over 1 KV head: with T=2 each rank holds a replica of it."""
     return _reference(tmp_path_factory, "tp-mqa", num_hidden_layers=3, num_key_value_heads=1, vocab_size=317)
+
+
+@pytest.fixture(scope="session")
+def tiny_nine_heads(tmp_path_factory):
+    """The default model's head shape (9 query heads over 3 KV heads) in miniature, for T=3."""
+    return _reference(tmp_path_factory, "tp-nine", hidden_size=72, intermediate_size=96, num_attention_heads=9,
+                      num_key_value_heads=3, num_hidden_layers=2, vocab_size=317)

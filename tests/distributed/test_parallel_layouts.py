@@ -39,18 +39,23 @@ def test_single_process_reference(tiny_gqa):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_tensor_parallel_2(tiny_gqa):
-    """Workers spawned (the default start method): fresh interpreters, as a user's run gets them."""
+@pytest.fixture
+def forked_workers(monkeypatch):
+    """Forked workers start in under a second instead of ~10-30 s (torch imported once): the
+    same worker code, which keeps these tests inside the suite's time budget. The spawned
+    start (the default) is exercised by test_worker_failure.py's start-up test."""
+    monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")
+
+
+def test_tensor_parallel_2(tiny_gqa, forked_workers):
     llm = _run_layout(tiny_gqa, 2, 1)
     assert len(llm.engine.distributed.executor.worker_pids) == 2
     llm.shutdown()
 
 
-@pytest.fixture
-def forked_workers(monkeypatch):
-    """Forked workers start in under a second instead of ~10 s (torch imported once): the same
-    worker code, which keeps this file inside the suite's time budget."""
-    monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")
+def test_tensor_parallel_3_nine_heads(tiny_nine_heads, forked_workers):
+    """The default model's split (9 heads, 3 KV heads: 3 and 1 per rank) on a tiny model."""
+    _run_layout(tiny_nine_heads, 3, 1).shutdown()
 
 
 def test_pipeline_parallel_2(tiny_gqa, forked_workers):

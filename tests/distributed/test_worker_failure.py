@@ -17,7 +17,7 @@ from tests.distributed.conftest import engine_kwargs
 PARAMS = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _forked(monkeypatch):
     monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")
 
@@ -43,7 +43,7 @@ def _assert_failed_cleanly(llm: LLM, prompts, started: float, match: str) -> Non
         llm.generate([{"prompt_token_ids": prompts[0]}], PARAMS, use_tqdm=False)
 
 
-def test_killed_worker_fails_requests_in_flight(tiny_gqa):
+def test_killed_worker_fails_requests_in_flight(tiny_gqa, _forked):
     path, prompts, _ = tiny_gqa
     llm = _engine_with_requests_in_flight(path, prompts)
     pids = llm.engine.distributed.executor.worker_pids
@@ -55,7 +55,7 @@ def test_killed_worker_fails_requests_in_flight(tiny_gqa):
                    for pid in pids), "workers outlived the failure"
 
 
-def test_hung_worker_is_detected_by_its_heartbeat(tiny_gqa):
+def test_hung_worker_is_detected_by_its_heartbeat(tiny_gqa, _forked):
     path, prompts, _ = tiny_gqa
     llm = _engine_with_requests_in_flight(path, prompts)
     started = time.monotonic()
@@ -64,6 +64,7 @@ def test_hung_worker_is_detected_by_its_heartbeat(tiny_gqa):
 
 
 def test_worker_that_cannot_start_says_why(tiny_gqa, tmp_path):
+    """Spawned (the default start method): the worker's own traceback reaches the driver."""
     path, _, _ = tiny_gqa
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
@@ -72,7 +73,7 @@ def test_worker_that_cannot_start_says_why(tiny_gqa, tmp_path):
         LLM(str(broken), **engine_kwargs(str(broken), 1, 1, backend="mp"))
 
 
-def test_server_engine_stops_and_reports_the_worker(tiny_gqa):
+def test_server_engine_stops_and_reports_the_worker(tiny_gqa, _forked):
     """Behind the server: the streams in flight end with the worker's failure, the engine stops
     (so /health answers 503 and `kvflow serve` exits 1), and its blocks are all free."""
     import asyncio

@@ -65,3 +65,22 @@ def test_pipeline_parallel_2(tiny_gqa, forked_workers):
 def test_tensor_2_by_pipeline_2_replicated_kv_head(tiny_mqa, forked_workers):
     """4 ranks; T=2 exceeds the model's single KV head, so each stage's two ranks hold a copy."""
     _run_layout(tiny_mqa, 2, 2).shutdown()
+
+
+def test_speculation_and_seeded_sampling_through_the_driver(tiny_gqa, forked_workers):
+    """n-gram drafts (verified rows come back as logits) and seeded random sampling with
+    penalties and logprobs: the driver samples what T=2 returns exactly as T=1 samples its own."""
+    path = tiny_gqa[0]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 10}, {"prompt_token_ids": [9, 10, 11] * 12}]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=2, repetition_penalty=1.1)
+    kwargs = dict(dtype="float32", kv_cache_memory=4 << 20, max_model_len=512, num_threads=1, speculative_config=spec)
+    one, two = LLM(path, **kwargs), LLM(path, tensor_parallel_size=2, **kwargs)
+    try:
+        for params in (greedy, seeded):
+            a, b = one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b], params
+        assert two.engine.get_stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        two.shutdown()

@@ -195,6 +195,11 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (vLLM's name).
     enforce_eager: bool = False
+    # Tensor and pipeline parallelism (vLLM's names; kvflow.distributed): ranks = T x P, each its
+    # own process ("mp") or the engine's own ("uni", one rank only). kv_cache_memory is per rank.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" for one rank, else "mp"
 
     def __post_init__(self) -> None:
         from kvflow.layers.kv_int8 import check_kv_cache_dtype
@@ -204,6 +209,9 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         QuantizationConfig.parse(self.quantization, self.quantization_group_size, self.quantize_lm_head)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        from kvflow.distributed.config import ParallelConfig
+
+        ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

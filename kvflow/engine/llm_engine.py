@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
+from kvflow.distributed.config import ParallelConfig
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.device import check_cuda_engine, resolve_device
@@ -107,7 +108,18 @@ class LLMEngine:
         quantization = "none" if self.device.type == "cuda" and config.quantization is None else config.quantization
         self.quantization = resolve_quantization(path, quantization, config.quantization_group_size,
                                                  config.quantize_lm_head, config.dtype)
-        self.plan: KVCachePlan = plan_kv_cache(
+        self.parallel = ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size,
+                                       config.distributed_executor_backend)
+        self.distributed = None  # kvflow.distributed.launch.DistributedLaunch: ranks in their own processes
+        if self.parallel.backend != "uni":
+            if self.device.type == "cuda":
+                raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 runs on the CPU only for now "
+                                 "(device='cuda' is one GPU); use device='cpu' or one rank")
+            from kvflow.distributed.launch import launch
+
+            self.distributed = launch(self.parallel, config, path, self.model_config, self.dtype,
+                                      self.max_model_len, self.quantization)
+        self.plan: KVCachePlan = self.distributed.plan if self.distributed else plan_kv_cache(
             self.model_config,
             self.dtype,
             config.block_size,
@@ -122,8 +134,9 @@ class LLMEngine:
             activation_bytes=activation_bytes,
         )
         attn_backend = get_attn_backend(self.device)
-        model = load_model(path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed,
-                           self.quantization, device=self.device)
+        model = None if self.distributed else load_model(
+            path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed, self.quantization,
+            device=self.device)
         self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -134,12 +147,18 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.kv_cache_manager,
         )
-        self.runner = ModelRunner(
-            model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids,
-            config.kv_cache_dtype, device=self.device,
-        )
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
+        if self.distributed:  # the model is in the workers; this runner flattens, sends and samples
+            from kvflow.distributed.driver_runner import DriverRunner
+
+            self.runner = DriverRunner(self.distributed.executor, self.model_config, self.kv_cache_manager,
+                                       self.eos_token_ids)
+        else:
+            self.runner = ModelRunner(
+                model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids,
+                config.kv_cache_dtype, device=self.device,
+            )
+            if self.device.type == "cuda" and not config.enforce_eager:
+                self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.speculator = None
         if spec is not None:
             draft = None
@@ -197,6 +216,8 @@ class LLMEngine:
                 f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
+        if params.prompt_logprobs is not None and self.distributed:
+            raise ValueError(f"prompt_logprobs: not supported with the distributed executor ({self.parallel.describe()}) yet")
         arrival_time = arrival_time or time.time()
         if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
             self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
@@ -416,6 +437,11 @@ class LLMEngine:
             prefill_tokens=self.prefill_tokens_total,
             spec_decode=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
         )
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a distributed engine (nothing to do in one process)."""
+        if self.distributed:
+            self.distributed.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.kv_cache_manager.check_integrity()

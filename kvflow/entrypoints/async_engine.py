@@ -234,6 +234,7 @@ class AsyncEngine:
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            self.engine.shutdown()  # distributed: stop the worker processes
 
     def _submit(self, cmd: _AddCommand | _CallCommand) -> None:
         with self._cond:
@@ -267,7 +268,11 @@ class AsyncEngine:
             logger.exception("kvflow engine thread crashed")
             self._dead = exc
         finally:
-            self._fail_all(EngineDeadError("the engine shut down while the request was running"))
+            self._fail_all(EngineDeadError(f"the engine failed while the request was running: {self._dead}"
+                                           if self._dead is not None else
+                                           "the engine shut down while the request was running"))
+            if self._dead is not None:
+                self.engine.shutdown()  # distributed workers: stop the survivors
 
     def _apply(self, cmd: _AddCommand | _AbortCommand | _CallCommand) -> None:
         if isinstance(cmd, _CallCommand):
@@ -303,6 +308,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            if getattr(exc, "fatal", False):  # a distributed worker is gone: no later step can run
+                raise
             self._fail_batch(exc)
             return
         # Refresh the snapshot before anyone hears of this step: a client that saw its request

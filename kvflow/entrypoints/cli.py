@@ -56,6 +56,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "head; 1.94x the tokens of bf16 for head_dim 64)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each layer is split across (heads, MLP, vocabulary); kv-cache-memory is per rank")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="stages the layers are split into (contiguous ranges, one batch in flight)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=("uni", "mp", "ray"),
+                   help="uni: this process (one rank); mp: one spawned process per rank (default for more "
+                        "than one); ray: Ray actors on RAY_ADDRESS's cluster or a local one (pip install 'kvflow[ray]')")
     mem = g.add_mutually_exclusive_group()
     mem.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 4GiB (default 512MiB, or one max-model-len sequence if more)")
     mem.add_argument("--memory-utilization", type=float, default=None,
@@ -305,8 +312,10 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="plan a draft model's weights and KV cache beside the target's")
     p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
-                   help="plan for a GPU with this much free memory, e.g. 141GiB (without it, --device cuda "
-                        "plans for the GPU present)")
+                   help="memory of each device, e.g. 80GiB: one rank plans a GPU with this much free "
+                        "(without it, --device cuda plans for the GPU present); with tensor/pipeline "
+                        "parallelism each rank's KV cache is --memory-utilization (default 0.9) of it minus "
+                        "the rank's weights, one row per rank")
     p.set_defaults(func=run_plan)
 
 
@@ -328,6 +337,10 @@ def run_plan(args: argparse.Namespace) -> int:
         from kvflow.spec_decode.draft_model import draft_model_config
 
         draft = draft_model_config(spec, cfg, max_model_len)[1]
+    quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
+                                        args.quantize_lm_head, args.dtype)
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        return _plan_ranks(args, path, cfg, dtype, max_model_len, quantization)
     from kvflow.device import resolve_device
     from kvflow.engine.memory_plan import device_memory_inputs
 
@@ -338,8 +351,9 @@ def run_plan(args: argparse.Namespace) -> int:
         resolve_device(args.device) if args.device_memory is None else torch.device("cuda"), cfg, dtype,
         defaults.max_num_batched_tokens, defaults.max_num_seqs, args.device_memory)
     on_gpu = device_memory is not None
-    quantization = resolve_quantization(path, "none" if on_gpu and args.quantization is None else args.quantization,
-                                        args.quantization_group_size, args.quantize_lm_head, args.dtype)
+    if on_gpu and args.quantization is None:  # CUDA runs a quantized checkpoint dequantized
+        quantization = resolve_quantization(path, "none", args.quantization_group_size, args.quantize_lm_head,
+                                            args.dtype)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
                          memory_utilization=args.memory_utilization, draft=draft, quantization=quantization,
                          kv_cache_dtype=args.kv_cache_dtype, device_memory=device_memory,
@@ -352,12 +366,32 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_ranks(args: argparse.Namespace, path: str, cfg, dtype, max_model_len: int, quantization) -> int:
+    """`kvflow plan -tp T -pp P [--device-memory 80GiB]`: one row per rank (kvflow.distributed.plan)."""
+    from kvflow.distributed.config import ParallelConfig
+    from kvflow.distributed.plan import describe_ranks, plan_ranks
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    plans = plan_ranks(cfg, parallel, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
+                       device_memory=args.device_memory, memory_utilization=args.memory_utilization,
+                       quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
+    memory = (f"{args.device_memory / (1 << 30):.0f} GiB per device x {args.memory_utilization or 0.9}"
+              if args.device_memory is not None else "kv-cache-memory per rank")
+    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters, "
+          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, {cfg.num_hidden_layers} layers)")
+    print(f"layout: {parallel.world_size} ranks = tensor_parallel_size {parallel.tensor_parallel_size} x "
+          f"pipeline_parallel_size {parallel.pipeline_parallel_size}; {memory}; dtype "
+          f"{str(dtype).removeprefix('torch.')}, KV {plans[0].kv_dtype_name}, max model len {max_model_len:,}")
+    print(describe_ranks(plans, parallel, cfg))
+    return 0
+
+
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
     """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,roofline}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import latency, prefix, quality, roofline, serve, speculative, throughput
+    from kvflow.bench import collectives, latency, prefix, quality, roofline, serve, speculative, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, roofline")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, roofline, collectives")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -368,6 +402,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
+        ("collectives", collectives, "µs per gloo all-reduce and stage-to-stage send at decode/prefill sizes", False),
     ]
     for name, module, help_text, runs_engine in benches:
         b = kinds.add_parser(name, help=help_text)

@@ -31,6 +31,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a distributed engine (tensor/pipeline parallel); idempotent."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

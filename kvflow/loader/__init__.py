@@ -164,10 +164,18 @@ def _resolve_hf_checkpoint(path: str, quantization: str | None, config: Quantiza
 def load_model(
     path: str, cfg: ModelConfig, dtype: torch.dtype, backend: AttentionBackend, load_format: str = "auto", seed: int = 0,
     quantization: QuantizationConfig | None = None, device: torch.device | str = "cpu",
+    adapt_model: Callable[[nn.Module], None] | None = None,
+    adapt_weights: Callable[[Iterator], Iterator] | None = None,
+    fuse_stack: bool = True,
 ) -> nn.Module:
     """Build the model on the CPU in `dtype` and fill its weights (random ones for "dummy"),
     then quantize its linear layers as `quantization` says; on another `device`, move it there
-    (dummy weights are drawn there directly: an 8B model's 16 GB are not first drawn on the host)."""
+    (dummy weights are drawn there directly: an 8B model's 16 GB are not first drawn on the host).
+
+    A tensor/pipeline-parallel rank (kvflow.distributed) builds its share through the hooks:
+    `adapt_model` drops the modules it does not hold before loading, `adapt_weights` renames
+    and slices the checkpoint's tensors on their way in, and `fuse_stack=False` keeps the
+    per-module path (the fused C++ stack cannot all-reduce mid-layer)."""
     device = torch.device(device)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -178,6 +186,8 @@ def load_model(
             model = build_model(cfg, backend)
     finally:
         torch.set_default_dtype(previous)
+    if adapt_model is not None:
+        adapt_model(model)
     if load_format == "dummy":
         _init_dummy(model)
     else:
@@ -185,6 +195,8 @@ def load_model(
         if quantization is not None and quantization.method in SHIPPED:
             keep = _runs_as_shipped
         weights = iter_weights(path, load_format, keep)
+        if adapt_weights is not None:
+            weights = adapt_weights(weights)
         if quantization is not None and quantization.method in ("int8", "int4"):
             weights = _quantized_as_loaded(weights, quantization)
         model.load_weights(weights)
@@ -196,7 +208,7 @@ def load_model(
         formats = quantize_model(model, quantization)
         logger.info("linear layers by weight format: %s", dict(formats))
     pack_linear_weights(model)
-    if hasattr(model, "fuse_stack"):
+    if fuse_stack and hasattr(model, "fuse_stack"):
         model.fuse_stack()
     return model
 

@@ -108,9 +108,25 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
+    exit_status = 0
+
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        self._watch_task = asyncio.ensure_future(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """An engine that died on its own (a distributed worker failed) ends the server with
+        status 1 instead of leaving a process that answers 503 forever; /health already says so."""
+        while not self.should_exit:
+            if not self.engine.is_running and not self.state.draining:
+                logger.error("the engine stopped (%s); exiting with status 1", self.engine._dead or "shut down")
+                self.exit_status = 1
+                self.state.draining = True
+                await self.state.wait_idle(ABORT_GRACE_S)  # the failed requests' error responses go out
+                self.should_exit = True
+                return
+            await asyncio.sleep(0.25)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Runs as the signal handler, on the main thread; never re-raises the signal (exit 0)."""
@@ -148,7 +164,8 @@ class GracefulServer(uvicorn.Server):
 
 def serve_until_drained(app: Any, engine: AsyncEngine, host: str, port: int, log_level: str = "info",
                         shutdown_timeout: float = 30.0) -> int:
-    """Serve `app` (from `build_app`) until a signal has drained it; the exit status (0).
+    """Serve `app` (from `build_app`) until a signal has drained it; the exit status (0, or 1
+    when the engine died on its own).
 
     uvicorn's own graceful-shutdown timeout only backs the drain up: by the time uvicorn
     shuts down, nothing should be in flight any more.
@@ -158,4 +175,4 @@ def serve_until_drained(app: Any, engine: AsyncEngine, host: str, port: int, log
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S)
     server = GracefulServer(config, engine, app.state.drain, shutdown_timeout)
     server.run()
-    return 0
+    return server.exit_status

@@ -1,0 +1,86 @@
+"""Greedy fp32 tokens with T=2, P=2 and T=2 x P=2 equal T=1's (tie rule), under batching,
+chunked prefill, prefix caching and preemption, in worker processes talking over gloo.
+
+The reference is transformers on the same random weights; every layout is checked against it
+with the same tie rule as the single-process engine, and every KV block must be back after.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from tests.conftest import check_greedy_run
+from tests.distributed.conftest import NEW_TOKENS, engine_kwargs
+
+# min_tokens bans EOS, so the driver samples the logits that come back; ignore_eos keeps the
+# bare greedy pick, which the output rank takes itself (only token ids come back).
+LOGITS_PATH = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+ARGMAX_PATH = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _run_layout(model, tp: int, pp: int) -> LLM:
+    path, prompts, refs = model
+    llm = LLM(path, **engine_kwargs(path, tp, pp))
+    label = f"T={tp} P={pp}"
+    check_greedy_run(llm, prompts, refs, LOGITS_PATH, f"{label} logits path")
+    assert llm.engine.scheduler.num_preemptions > 0, "the workload was meant to preempt"
+    assert llm.engine.kv_cache_manager.prefix_stats.hits > 0, "the shared prefix was meant to hit the cache"
+    check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} argmax path")
+    check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} alone", [len(prompts) - 1])
+    return llm
+
+
+def test_single_process_reference(tiny_gqa):
+    """The same workload and limits on one process (uni): the baseline the layouts must match."""
+    path, prompts, refs = tiny_gqa
+    llm = LLM(path, **engine_kwargs(path))
+    check_greedy_run(llm, prompts, refs, LOGITS_PATH, "T=1")
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.fixture
+def forked_workers(monkeypatch):
+    """Forked workers start in under a second instead of ~10-30 s (torch imported once): the
+    same worker code, which keeps these tests inside the suite's time budget. The spawned
+    start (the default) is exercised by test_worker_failure.py's start-up test."""
+    monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")
+
+
+def test_tensor_parallel_2(tiny_gqa, forked_workers):
+    llm = _run_layout(tiny_gqa, 2, 1)
+    assert len(llm.engine.distributed.executor.worker_pids) == 2
+    llm.shutdown()
+
+
+def test_tensor_parallel_3_nine_heads(tiny_nine_heads, forked_workers):
+    """The default model's split (9 heads, 3 KV heads: 3 and 1 per rank) on a tiny model."""
+    _run_layout(tiny_nine_heads, 3, 1).shutdown()
+
+
+def test_pipeline_parallel_2(tiny_gqa, forked_workers):
+    _run_layout(tiny_gqa, 1, 2).shutdown()
+
+
+def test_tensor_2_by_pipeline_2_replicated_kv_head(tiny_mqa, forked_workers):
+    """4 ranks; T=2 exceeds the model's single KV head, so each stage's two ranks hold a copy."""
+    _run_layout(tiny_mqa, 2, 2).shutdown()
+
+
+def test_speculation_and_seeded_sampling_through_the_driver(tiny_gqa, forked_workers):
+    """n-gram drafts (verified rows come back as logits) and seeded random sampling with
+    penalties and logprobs: the driver samples what T=2 returns exactly as T=1 samples its own."""
+    path = tiny_gqa[0]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 10}, {"prompt_token_ids": [9, 10, 11] * 12}]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=2, repetition_penalty=1.1)
+    kwargs = dict(dtype="float32", kv_cache_memory=4 << 20, max_model_len=512, num_threads=1, speculative_config=spec)
+    one, two = LLM(path, **kwargs), LLM(path, tensor_parallel_size=2, **kwargs)
+    try:
+        for params in (greedy, seeded):
+            a, b = one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b], params
+        assert two.engine.get_stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        two.shutdown()

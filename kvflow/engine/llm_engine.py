@@ -24,17 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
-from kvflow.distributed.config import ParallelConfig
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
-from kvflow.device import check_cuda_engine, resolve_device
-from kvflow.engine.memory_plan import KVCachePlan, device_memory_inputs, plan_kv_cache
-from kvflow.engine.model_runner import ModelRunner, SampledTokens
+from kvflow.engine.memory_plan import KVCachePlan
+from kvflow.engine.model_placement import build_runner, place_model
+from kvflow.engine.model_runner import SampledTokens
 from kvflow.engine.parallel_sampling import SampleGroup, SampleGroups, prompt_tokens_computed
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
-from kvflow.layers.attention import get_attn_backend
-from kvflow.loader import load_model, load_model_config, resolve_model_path, resolve_quantization
+from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -43,8 +41,6 @@ from kvflow.spec_decode.speculator import SpecDecodeStats, Speculator
 from kvflow.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("kvflow")
-
-
 
 
 @dataclass
@@ -98,45 +94,10 @@ class LLMEngine:
             from kvflow.spec_decode.draft_model import draft_model_config
 
             draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cuda":
-            check_cuda_engine(config, self.device, self.dtype)
-        device_memory, activation_bytes = device_memory_inputs(self.device, self.model_config, self.dtype,
-                                                               config.max_num_batched_tokens, config.max_num_seqs)
-        # On CUDA a quantized checkpoint (the default model's GGUF blocks) runs dequantized: the
-        # integer GEMM kernels are the CPU's.
-        quantization = "none" if self.device.type == "cuda" and config.quantization is None else config.quantization
-        self.quantization = resolve_quantization(path, quantization, config.quantization_group_size,
-                                                 config.quantize_lm_head, config.dtype)
-        self.parallel = ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size,
-                                       config.distributed_executor_backend)
-        self.distributed = None  # kvflow.distributed.launch.DistributedLaunch: ranks in their own processes
-        if self.parallel.backend != "uni":
-            if self.device.type == "cuda":
-                raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 runs on the CPU only for now "
-                                 "(device='cuda' is one GPU); use device='cpu' or one rank")
-            from kvflow.distributed.launch import launch
-
-            self.distributed = launch(self.parallel, config, path, self.model_config, self.dtype,
-                                      self.max_model_len, self.quantization)
-        self.plan: KVCachePlan = self.distributed.plan if self.distributed else plan_kv_cache(
-            self.model_config,
-            self.dtype,
-            config.block_size,
-            self.max_model_len,
-            kv_cache_memory=config.kv_cache_memory,
-            memory_utilization=config.memory_utilization,
-            draft=draft_cfg,
-            quantization=self.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            device_memory=device_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            activation_bytes=activation_bytes,
-        )
-        attn_backend = get_attn_backend(self.device)
-        model = None if self.distributed else load_model(
-            path, self.model_config, self.dtype, attn_backend, config.load_format, config.seed, self.quantization,
-            device=self.device)
+        placement = place_model(config, path, self.model_config, self.dtype, self.max_model_len, draft_cfg)
+        self.device, self.quantization, self.parallel = placement.device, placement.quantization, placement.parallel
+        self.distributed, self.plan = placement.distributed, placement.plan
+        attn_backend = placement.attn_backend
         self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -147,18 +108,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.kv_cache_manager,
         )
-        if self.distributed:  # the model is in the workers; this runner flattens, sends and samples
-            from kvflow.distributed.driver_runner import DriverRunner
-
-            self.runner = DriverRunner(self.distributed.executor, self.model_config, self.kv_cache_manager,
-                                       self.eos_token_ids)
-        else:
-            self.runner = ModelRunner(
-                model, attn_backend, self.model_config, self.kv_cache_manager, self.dtype, self.eos_token_ids,
-                config.kv_cache_dtype, device=self.device,
-            )
-            if self.device.type == "cuda" and not config.enforce_eager:
-                self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
+        self.runner = build_runner(placement, config, self.model_config, self.kv_cache_manager, self.dtype,
+                                   self.eos_token_ids, self.max_model_len)
         self.speculator = None
         if spec is not None:
             draft = None

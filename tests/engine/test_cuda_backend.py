@@ -37,7 +37,7 @@ def cpu_outputs(tiny):
 def _llm_on_cuda_backend(tiny, monkeypatch, **kwargs) -> LLM:
     if DEVICE == "cuda":
         return LLM(tiny, dtype="float32", device="cuda", kv_cache_memory=64 << 20, **kwargs)
-    monkeypatch.setattr("kvflow.engine.llm_engine.get_attn_backend", lambda device: CUDAAttentionBackend("cpu"))
+    monkeypatch.setattr("kvflow.engine.model_placement.get_attn_backend", lambda device: CUDAAttentionBackend("cpu"))
     return LLM(tiny, dtype="float32", device="cpu", **kwargs)
 
 

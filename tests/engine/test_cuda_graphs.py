@@ -71,7 +71,7 @@ def test_replays_with_padded_rows_give_the_eager_tokens(tmp_path, monkeypatch):
     want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu").generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
-    monkeypatch.setattr("kvflow.engine.llm_engine.get_attn_backend", lambda device: CUDAAttentionBackend("cpu"))
+    monkeypatch.setattr("kvflow.engine.model_placement.get_attn_backend", lambda device: CUDAAttentionBackend("cpu"))
     llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=96)
     runner = llm.engine.runner
     graphs = DecodeGraphs(lambda ids, pos, meta: runner.model(ids, pos, runner.kv_caches, meta),

@@ -1,0 +1,88 @@
+"""Where and how the model runs, decided before a weight is read: the device, the weights'
+format, the ranks (tensor/pipeline parallelism), the KV cache plan; then the runner that drives it.
+
+`LLMEngine` calls `place_model` and `build_runner` once; the scheduler and the step loop are the
+same whichever placement they got: one in-process `ModelRunner` (CPU or CUDA), or a
+`DriverRunner` that sends each step to worker processes (kvflow.distributed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvflow.config import EngineConfig, ModelConfig
+from kvflow.device import check_cuda_engine, resolve_device
+from kvflow.distributed.config import ParallelConfig
+from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.memory_plan import KVCachePlan, device_memory_inputs, plan_kv_cache
+from kvflow.engine.model_runner import ModelRunner
+from kvflow.layers.attention import AttentionBackend, get_attn_backend
+from kvflow.loader import load_model, resolve_quantization
+from kvflow.quantization.config import QuantizationConfig
+
+
+@dataclass
+class ModelPlacement:
+    device: torch.device
+    quantization: QuantizationConfig | None
+    parallel: ParallelConfig
+    distributed: Any | None  # kvflow.distributed.launch.DistributedLaunch: ranks in their own processes
+    plan: KVCachePlan
+    attn_backend: AttentionBackend
+    model: nn.Module | None  # None when the workers hold it
+
+
+def place_model(config: EngineConfig, path: str, model_config: ModelConfig, dtype: torch.dtype,
+                max_model_len: int, draft_cfg: ModelConfig | None) -> ModelPlacement:
+    """Resolve the device and weight format, start the ranks if any, plan the KV cache and load
+    the model (in this process unless ranks hold it). Bad combinations fail here, naming the setting."""
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        check_cuda_engine(config, device, dtype)
+    device_memory, activation_bytes = device_memory_inputs(device, model_config, dtype,
+                                                           config.max_num_batched_tokens, config.max_num_seqs)
+    # On CUDA a quantized checkpoint (the default model's GGUF blocks) runs dequantized: the
+    # integer GEMM kernels are the CPU's.
+    method = "none" if device.type == "cuda" and config.quantization is None else config.quantization
+    quantization = resolve_quantization(path, method, config.quantization_group_size, config.quantize_lm_head,
+                                        config.dtype)
+    parallel = ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size,
+                              config.distributed_executor_backend)
+    distributed = None
+    if parallel.backend != "uni":
+        if device.type == "cuda":
+            raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 runs on the CPU only for now "
+                             "(device='cuda' is one GPU); use device='cpu' or one rank")
+        from kvflow.distributed.launch import launch
+
+        distributed = launch(parallel, config, path, model_config, dtype, max_model_len, quantization)
+    plan = distributed.plan if distributed else plan_kv_cache(
+        model_config, dtype, config.block_size, max_model_len,
+        kv_cache_memory=config.kv_cache_memory, memory_utilization=config.memory_utilization, draft=draft_cfg,
+        quantization=quantization, kv_cache_dtype=config.kv_cache_dtype, device_memory=device_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization, activation_bytes=activation_bytes,
+    )
+    attn_backend = get_attn_backend(device)
+    model = None if distributed else load_model(path, model_config, dtype, attn_backend, config.load_format,
+                                                config.seed, quantization, device=device)
+    return ModelPlacement(device, quantization, parallel, distributed, plan, attn_backend, model)
+
+
+def build_runner(placement: ModelPlacement, config: EngineConfig, model_config: ModelConfig,
+                 kv_cache_manager: KVCacheManager, dtype: torch.dtype, eos_token_ids: list[int],
+                 max_model_len: int):
+    """The runner the engine steps: in-process (with CUDA graphs captured for decode on a GPU), or
+    the driver of the distributed ranks (it flattens, sends and samples; the workers run the model)."""
+    if placement.distributed:
+        from kvflow.distributed.driver_runner import DriverRunner
+
+        return DriverRunner(placement.distributed.executor, model_config, kv_cache_manager, eos_token_ids)
+    runner = ModelRunner(placement.model, placement.attn_backend, model_config, kv_cache_manager, dtype,
+                         eos_token_ids, config.kv_cache_dtype, device=placement.device)
+    if placement.device.type == "cuda" and not config.enforce_eager:
+        runner.capture_decode_graphs(max_model_len, config.max_num_seqs)
+    return runner

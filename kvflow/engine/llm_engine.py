@@ -96,7 +96,8 @@ class LLMEngine:
             draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
         placement = place_model(config, path, self.model_config, self.dtype, self.max_model_len, draft_cfg)
         self.device, self.quantization, self.parallel = placement.device, placement.quantization, placement.parallel
-        self.distributed, self.plan = placement.distributed, placement.plan
+        self.distributed = placement.distributed
+        self.plan: KVCachePlan = placement.plan
         attn_backend = placement.attn_backend
         self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)

@@ -97,6 +97,9 @@ def run_offline(pipe, args, ident: dict) -> list[dict]:
         generated = generate_all(pipe, prompts, out_lens)
         wall = time.perf_counter() - t0
         fig = common.offline_figure(ident, seed, prompts, out_lens, sum(map(len, generated)), wall, args.smoke)
+        metrics = pipe.get_metrics()  # the KV cache grows on demand when cache_size is 0
+        fig["kv_cache_mb"] = round(metrics.kv_cache_size_in_bytes / 2**20, 1)
+        fig["max_cache_usage_pct"] = round(metrics.max_cache_usage, 1)
         if args.smoke:
             fig["first_tokens"] = [g[:8] for g in generated]
         common.emit(fig)

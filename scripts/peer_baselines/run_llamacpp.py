@@ -124,17 +124,18 @@ def generate_batch(engine: Engine, prompts: list[list[int]], out_lens: list[int]
     return generated
 
 
-def stream_one(engine: Engine, prompt: list[int], n_out: int) -> tuple[float, list[float]]:
-    """(submission time, one timestamp per generated token) for a single greedy request."""
+def stream_one(engine: Engine, prompt: list[int], n_out: int) -> tuple[float, list[float], list[int]]:
+    """(submission time, one timestamp per generated token, the tokens) for one greedy request."""
     engine.clear()
     start = time.perf_counter()
     n = len(prompt)
     tok = engine.decode(prompt, list(range(n)), [0] * n, [i == n - 1 for i in range(n)])[0]
-    times = [time.perf_counter()]
+    times, tokens = [time.perf_counter()], [tok]
     for k in range(1, n_out):
         tok = engine.decode([tok], [n + k - 1], [0], [True])[0]
         times.append(time.perf_counter())
-    return start, times
+        tokens.append(tok)
+    return start, times, tokens
 
 
 def run_offline(args, ident: dict) -> list[dict]:
@@ -153,6 +154,8 @@ def run_offline(args, ident: dict) -> list[dict]:
         generated = generate_batch(engine, prompts, out_lens)
         wall = time.perf_counter() - t0
         fig = common.offline_figure(ident, seed, prompts, out_lens, sum(map(len, generated)), wall, args.smoke)
+        if args.smoke:
+            fig["first_tokens"] = [g[:8] for g in generated]
         common.emit(fig)
         figures.append(fig)
     common.emit_median(figures, ("wall_s", "total_tok_s", "output_tok_s", "peak_rss_gb"))
@@ -169,8 +172,10 @@ def run_latency(args, ident: dict) -> list[dict]:
     figures = []
     for seed in common.latency_seeds(args):
         prompt, n_out = common.latency_request(seed, args.smoke)
-        start, times = stream_one(engine, prompt, n_out)
+        start, times, tokens = stream_one(engine, prompt, n_out)
         fig = common.latency_figure(ident, seed, start, times, n_out, args.smoke)
+        if args.smoke:
+            fig["tokens"] = tokens
         common.emit(fig)
         figures.append(fig)
     common.emit_median(figures, ("ttft_ms", "mean_itl_ms", "peak_rss_gb"))
@@ -180,7 +185,7 @@ def run_latency(args, ident: dict) -> list[dict]:
 def silence_llama_logs() -> None:
     @L.llama_log_callback
     def quiet(level, text, user_data):
-        if level >= 4:  # GGML_LOG_LEVEL_ERROR
+        if level == 4:  # GGML_LOG_LEVEL_ERROR (5, CONT, continues any level)
             sys.stderr.write(text.decode(errors="replace"))
     silence_llama_logs.keep = quiet  # the callback must outlive this call
     L.llama_log_set(quiet, ctypes.c_void_p())

@@ -118,3 +118,11 @@ def test_llamacpp_refuses_a_draw_that_does_not_fit(llamacpp):
     eng = FakeEngine(n_batch=128, unified=True, n_ctx=100)
     with pytest.raises(SystemExit, match="n_ctx >= 110"):
         llamacpp.generate_batch(eng, [[1] * 50, [2] * 50], [5, 5])
+
+
+def test_llamacpp_stream_one_walks_positions(llamacpp):
+    eng = FakeEngine(n_batch=256, unified=True)
+    start, times, tokens = llamacpp.stream_one(eng, [5] * 128, 4)
+    assert len(times) == 4 and times[0] >= start and times == sorted(times)
+    assert tokens == [50_000 + pos for pos in range(127, 131)]
+    assert eng.fed[0] == list(enumerate([5] * 128 + tokens[:-1]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.entrypoints import cli
+from kvflow.entrypoints import cli, cli_args, cli_chat
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -115,8 +115,8 @@ def test_chat_keeps_history_and_quits(monkeypatch, offline_llm):
     stdout = io.StringIO()
     args = cli.build_parser().parse_args(["chat", "--max-tokens", "6", "--temperature", "0", *SMALL_ENGINE])
     seen = _record_conversations(monkeypatch, offline_llm)
-    monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)  # weights load once per session
-    assert cli.run_chat(args, stdin=stdin, stdout=stdout) == 0
+    monkeypatch.setattr(cli_chat, "_build_llm", lambda _args: offline_llm)  # weights load once per session
+    assert cli_chat.run_chat(args, stdin=stdin, stdout=stdout) == 0
     assert len(seen) == 2  # the empty line is skipped, /exit stops before "never read"
     second = seen[1]
     assert [m["role"] for m in second] == ["user", "assistant", "user"]
@@ -152,13 +152,13 @@ class _StubLLM:
 )
 def test_sampling_precedence(command, flags, model, expected):
     args = cli.build_parser().parse_args([command, *(["hi"] if command == "generate" else []), *flags])
-    params = cli.with_cli_defaults(cli.sampling_params_from_args(args), args, _StubLLM(model))
+    params = cli_args.with_cli_defaults(cli_args.sampling_params_from_args(args), args, _StubLLM(model))
     assert (params.temperature, params.top_p, params.max_tokens) == expected
 
 
 def test_sampling_flags_default_to_unset_and_generation_config_reaches_the_engine():
     args = cli.build_parser().parse_args(["generate", "hi", "--generation-config", "vllm"])
-    assert cli.sampling_params_from_args(args).explicit_fields == frozenset()
+    assert cli_args.sampling_params_from_args(args).explicit_fields == frozenset()
     assert cli.engine_config_from_args(args).generation_config == "vllm"
     assert cli.engine_config_from_args(cli.build_parser().parse_args(["serve"])).generation_config == "auto"
 
@@ -172,10 +172,10 @@ def test_generate_uses_the_model_defaults_and_verbose_prints_stats(monkeypatch, 
         return real(self, prompts, params, **kwargs)
 
     monkeypatch.setattr(type(offline_llm), "generate", spy)
-    monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)
+    monkeypatch.setattr(cli_chat, "_build_llm", lambda _args: offline_llm)
     args = cli.build_parser().parse_args(["generate", "The capital of France is", "--max-tokens", "5",
                                           "--sampling-seed", "0", "--verbose"])
-    assert cli.run_generate(args) == 0
+    assert cli_chat.run_generate(args) == 0
     assert (seen[0].temperature, seen[0].top_p, seen[0].max_tokens) == (0.2, 0.9, 5)
     captured = capsys.readouterr()
     assert captured.out.strip() and "tokens" not in captured.out  # stdout is the text alone
@@ -189,8 +189,8 @@ def test_chat_reset_and_verbose(monkeypatch, offline_llm):
     args = cli.build_parser().parse_args(["chat", "--max-tokens", "4", "--verbose", "--system", "Be brief.",
                                           *SMALL_ENGINE])
     seen = _record_conversations(monkeypatch, offline_llm)
-    monkeypatch.setattr(cli, "_build_llm", lambda _args: offline_llm)
-    assert cli.run_chat(args, stdin=stdin, stdout=stdout) == 0
+    monkeypatch.setattr(cli_chat, "_build_llm", lambda _args: offline_llm)
+    assert cli_chat.run_chat(args, stdin=stdin, stdout=stdout) == 0
     # After /reset the second question starts a new conversation (the system prompt stays).
     assert [[m["role"] for m in c] for c in seen] == [["system", "user"], ["system", "user"]]
     assert seen[1][1]["content"] == "Say goodbye."

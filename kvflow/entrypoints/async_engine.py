@@ -40,7 +40,7 @@ class EngineOverloadedError(RuntimeError):
             f"the server is overloaded: {num_waiting} requests are already waiting (max_waiting={max_waiting}); "
             "retry later"
         )
-        self.retry_after = retry_after
+        self.num_waiting, self.max_waiting, self.retry_after = num_waiting, max_waiting, retry_after
 
 
 class EngineStepError(RuntimeError):
@@ -167,6 +167,14 @@ class AsyncEngine:
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's defaults for the sampling fields a request leaves unset (generation_config)."""
         return self.engine.sampling_defaults
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.engine.dtype).removeprefix("torch.")
 
     @property
     def is_running(self) -> bool:

@@ -160,6 +160,9 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them (new ones "
                         "get 503 meanwhile); a second SIGTERM exits at once")
+    g.add_argument("--in-process-engine", action="store_true",
+                   help="run the engine loop in the API server's process (a thread) instead of its own engine "
+                        "core process")
     g.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
 
@@ -172,16 +175,21 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:  # before the weights load
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
-    engine = AsyncEngine.from_config(engine_config_from_args(args), max_waiting=None if max_waiting < 0 else max_waiting)
+    engine_class = AsyncEngine
+    if not args.in_process_engine:  # the engine loop in its own process, over ZMQ (entrypoints/core/)
+        from kvflow.entrypoints.core.client import EngineCoreClient as engine_class
+    engine = engine_class.from_config(engine_config_from_args(args), max_waiting=None if max_waiting < 0 else max_waiting)
+    if not args.in_process_engine:
+        logger.info("engine core: process %d (the API server tokenizes and streams; --in-process-engine for one "
+                    "process)", engine.core_pid)
     logger.info("admission: at most %s request(s) waiting (--max-waiting), then 503; SIGTERM drains for at most "
                 "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    dtype = str(engine.engine.dtype).removeprefix("torch.")
     # The engine has already logged the KV cache plan while loading.
-    logger.info("model: %s (served as %r), dtype: %s", engine.engine.model_path, name, dtype)
+    logger.info("model: %s (served as %r), dtype: %s", engine.model_path, name, engine.dtype_name)
     logger.info("%s; a request's own fields win (--generation-config vllm: none), see /v1/models",
                 engine.sampling_defaults.describe())
     logger.info("serving on %s/v1 (health: %s/health, metrics: %s/metrics)", url, url, url)

@@ -380,7 +380,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     def model_card() -> p.ModelCard:
         defaults = engine.sampling_defaults
-        return p.ModelCard(id=served_model_name, root=getattr(engine.engine, "model_path", None),
+        return p.ModelCard(id=served_model_name, root=getattr(engine, "model_path", None),
                            max_model_len=engine.max_model_len, sampling_defaults=dict(defaults.values),
                            sampling_defaults_source=defaults.source)
 

@@ -48,7 +48,7 @@ class EngineCoreClient:
     """An `AsyncEngine` look-alike whose engine runs in a child process (see module docstring)."""
 
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
-                 startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout: float = STARTUP_TIMEOUT_S, kv_transfer_config: Any = None) -> None:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.max_waiting = max_waiting
@@ -75,7 +75,8 @@ class EngineCoreClient:
         with open(os.path.join(self._dir, "start.pkl"), "wb") as f:
             pickle.dump({"config": config, "max_waiting": max_waiting, "commands_addr": f"ipc://{self._dir}/commands",
                          "outputs_addr": f"ipc://{self._dir}/outputs", "parent_pid": os.getpid(),
-                         "log_level": logging.getLogger("kvflow").getEffectiveLevel()}, f)
+                         "log_level": logging.getLogger("kvflow").getEffectiveLevel(),
+                         "kv_transfer_config": kv_transfer_config}, f)
         self._proc = subprocess.Popen([sys.executable, "-m", "kvflow.entrypoints.core.process",
                                        os.path.join(self._dir, "start.pkl")])
         try:
@@ -90,13 +91,15 @@ class EngineCoreClient:
         self.sampling_defaults = SamplingDefaults(values, source)
         self.core_pid: int = info["pid"]
         self._stats: EngineStats = wire.decode_stats(info["stats"])
+        self._kv_info: dict | None = info["kv_transfer"]
         self.tokenizer = load_tokenizer_or_none(info["tokenizer"] or self.model_path)
         self._thread = threading.Thread(target=self._receive, name="kvflow-core-client", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> "EngineCoreClient":
-        return cls(config, max_waiting=max_waiting)
+    def from_config(cls, config: EngineConfig, max_waiting: int | None = None,
+                    kv_transfer_config: Any = None) -> "EngineCoreClient":
+        return cls(config, max_waiting=max_waiting, kv_transfer_config=kv_transfer_config)
 
     def _wait_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -120,9 +123,14 @@ class EngineCoreClient:
         """The stats the core sent with its last step (or idle refresh)."""
         return self._stats
 
+    def kv_transfer_info(self) -> dict | None:
+        """The core's KV connector: role, address, counters (as of its last stats message)."""
+        return self._kv_info
+
     # ---- the asyncio side ------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                          arrival_time: float | None = None, priority: int = 0) -> RequestStream:
+                          arrival_time: float | None = None, priority: int = 0,
+                          kv_transfer_params: dict | None = None) -> RequestStream:
         """As `AsyncEngine.add_request`; the prompt is tokenized here, then sent to the core."""
         self._check_alive()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
@@ -137,7 +145,7 @@ class EngineCoreClient:
             self._streams[request_id] = stream
             self._assembler.start(request_id, text, ids)
         self._send((wire.ADD, request_id, text, ids, wire.encode_params(params), arrival_time or time.time(),
-                    priority))
+                    priority, kv_transfer_params))
         try:
             await future
         except BaseException:
@@ -250,7 +258,7 @@ class EngineCoreClient:
                     deliveries.setdefault(stream.loop, []).append((stream, item))
             self._deliver(deliveries)
         elif kind == wire.STATS:
-            self._stats, self.num_step_errors = wire.decode_stats(msg[1]), msg[2]
+            self._stats, self.num_step_errors, self._kv_info = wire.decode_stats(msg[1]), msg[2], msg[3]
         elif kind == wire.ADDED:
             with self._lock:
                 future = self._adds.pop(msg[1], None)

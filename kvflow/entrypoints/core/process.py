@@ -34,6 +34,7 @@ import zmq.asyncio
 from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine, RequestStream
 from kvflow.entrypoints.core import wire
+from kvflow.kv_transfer.zmq_connector import kv_transfer_info
 
 logger = logging.getLogger("kvflow")
 STATS_INTERVAL_S = 0.05  # idle stats refresh (aborts free blocks without any output)
@@ -41,7 +42,7 @@ PARENT_POLL_S = 0.5
 
 
 def run_engine_core(config: EngineConfig, max_waiting: int | None, commands_addr: str, outputs_addr: str,
-                    parent_pid: int, log_level: int = logging.INFO) -> None:
+                    parent_pid: int, log_level: int = logging.INFO, kv_transfer_config: Any = None) -> None:
     """The child process's entry point (multiprocessing spawn target)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -53,7 +54,7 @@ def run_engine_core(config: EngineConfig, max_waiting: int | None, commands_addr
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(outputs_addr)
     try:
-        engine = AsyncEngine.from_config(config, max_waiting=max_waiting)
+        engine = AsyncEngine.from_config(config, max_waiting=max_waiting, kv_transfer_config=kv_transfer_config)
     except BaseException as exc:  # bad config, missing weights: the API server reports it and exits
         logger.exception("the engine core failed to start")
         out.send(wire.pack((wire.FAILED, *wire.encode_error(exc))))
@@ -95,6 +96,7 @@ class _CoreServer:
         self.outbox: list[list] = []
         self.flush_scheduled = False
         self.last_stats: Any = None
+        self.last_kv_info: Any = None
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -108,7 +110,7 @@ class _CoreServer:
         await self.out_sock.send(wire.pack((wire.READY, {
             "model_path": e.model_path, "dtype": e.dtype_name, "max_model_len": e.max_model_len,
             "sampling_defaults": [defaults.values, defaults.source], "tokenizer": e.engine.config.tokenizer,
-            "stats": wire.encode_stats(e.get_stats()), "pid": os.getpid()})))
+            "stats": wire.encode_stats(e.get_stats()), "pid": os.getpid(), "kv_transfer": kv_transfer_info(e)})))
         watch = asyncio.ensure_future(self._watch())
         try:
             while True:
@@ -131,8 +133,9 @@ class _CoreServer:
     def _dispatch(self, msg: list) -> None:
         kind = msg[0]
         if kind == wire.ADD:
-            _, rid, text, ids, params, arrival, priority = msg
-            self.tasks[rid] = asyncio.ensure_future(self._run_request(rid, text, ids, params, arrival, priority))
+            _, rid, text, ids, params, arrival, priority, kv_params = msg
+            self.tasks[rid] = asyncio.ensure_future(self._run_request(rid, text, ids, params, arrival, priority,
+                                                                      kv_params))
         elif kind == wire.ABORT:
             rid = msg[1]
             stream = self.streams.get(rid)
@@ -146,11 +149,11 @@ class _CoreServer:
             logger.error("engine core: unknown command %r", kind)
 
     async def _run_request(self, rid: str, text: str | None, ids: list[int], params: dict, arrival: float,
-                           priority: int) -> None:
+                           priority: int, kv_params: dict | None) -> None:
         try:
             try:
                 stream = await self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids},
-                                                       wire.decode_params(params), arrival, priority)
+                                                       wire.decode_params(params), arrival, priority, kv_params)
             except asyncio.CancelledError:
                 return  # aborted by the client before it was added: it has forgotten the request
             except Exception as exc:
@@ -205,10 +208,10 @@ class _CoreServer:
                 self._send((wire.DEAD, "the engine thread stopped (see the engine core's log)"))
                 await asyncio.sleep(0.2)
                 os._exit(1)
-            stats = self.engine.get_stats()
-            if stats != self.last_stats:
-                self.last_stats = stats
-                self._send((wire.STATS, wire.encode_stats(stats), self.engine.num_step_errors))
+            stats, kv_info = self.engine.get_stats(), kv_transfer_info(self.engine)
+            if stats != self.last_stats or kv_info != self.last_kv_info:
+                self.last_stats, self.last_kv_info = stats, kv_info
+                self._send((wire.STATS, wire.encode_stats(stats), self.engine.num_step_errors, kv_info))
             since_parent += STATS_INTERVAL_S
             if since_parent >= PARENT_POLL_S:
                 since_parent = 0.0

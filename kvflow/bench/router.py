@@ -18,6 +18,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policies", default="round_robin,cache_aware")
     g.add_argument("--serve-args", default="--dtype float32 --kv-cache-memory 160MiB --max-model-len 1024",
                    help="options for each kvflow serve instance (the model's among them)")
+    g.add_argument("--disaggregated", action="store_true",
+                   help="instead: one kv_producer (prefill) and one kv_consumer (decode) instance behind "
+                        "kvflow router --prefill/--decode; reports the KV bytes and time moved per request")
     g.add_argument("--output", help="write the results as JSON here")
 
 
@@ -54,12 +58,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_instances(n: int, serve_args: list[str]) -> list[tuple[subprocess.Popen, str]]:
+def _start_instances(n: int, serve_args: list[str], disaggregated: bool = False) -> list[tuple[subprocess.Popen, str]]:
     out = []
-    for _ in range(n):
+    for k in range(n):
         port = _free_port()
+        role = ["--kv-transfer-config", json.dumps({"kv_role": "kv_producer" if k == 0 else "kv_consumer"})]
         cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--port", str(port),
-               "--uvicorn-log-level", "warning", "--served-model-name", "bench", *serve_args]
+               "--uvicorn-log-level", "warning", "--served-model-name", "bench", *serve_args,
+               *(role if disaggregated else [])]
         out.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
                     f"http://127.0.0.1:{port}"))
     return out
@@ -91,7 +97,8 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
 
     from kvflow.entrypoints.router import Router, build_router_app, httpx
 
-    instances = _start_instances(args.instances, args.serve_args.split())
+    n = 2 if args.disaggregated else args.instances
+    instances = _start_instances(n, args.serve_args.split(), args.disaggregated)
     try:
         for proc, url in instances:
             deadline = time.monotonic() + 600
@@ -106,21 +113,24 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"kvflow serve {url} did not start")
                 time.sleep(0.5)
-        router = Router([url for _, url in instances], policy)
+        urls = [url for _, url in instances]
+        router = Router(urls[1:], policy, prefill_urls=urls[:1]) if args.disaggregated else Router(urls, policy)
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(build_router_app(router), host="127.0.0.1", port=port,
                                                log_level="warning"))
-        import threading
-
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:
             time.sleep(0.05)
+        if args.disaggregated:  # the router learns the producer's block address from its health check
+            while not router.prefills[0].kv_addr:
+                time.sleep(0.2)
         wall = asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, args.output_len, args.max_concurrency))
         per_instance = [_prefill_tokens(httpx.get(url + "/metrics").text) for _, url in instances]
+        kv = httpx.get(urls[-1] + "/kv_transfer").json()["stats"] if args.disaggregated else None
         server.should_exit = True
         thread.join(10)
-        return {"policy": policy, "prefill_tokens": sum(per_instance), "per_instance": per_instance,
+        return {"policy": policy, "kv_transfer": kv, "disaggregated": dict(router.disaggregated), "prefill_tokens": sum(per_instance), "per_instance": per_instance,
                 "requests_per_instance": [i.requests_total for i in router.instances], "wall_s": wall,
                 "decisions": dict(router.routed)}
     finally:
@@ -146,6 +156,12 @@ def run(args: argparse.Namespace) -> dict:
         r = results[policy]
         print(f"{policy}: prefill tokens computed {r['prefill_tokens']:,} of {prompt_tokens:,} prompt tokens "
               f"(per instance {r['per_instance']}, requests {r['requests_per_instance']}), {r['wall_s']:.1f} s")
+        kv = r["kv_transfer"]
+        if kv:
+            per = max(kv["requests"], 1)
+            print(f"  KV moved to the decode instance: {kv['blocks']} blocks, {kv['bytes'] / per / 1e6:.2f} MB and "
+                  f"{kv['seconds'] / per * 1e3:.1f} ms per request ({kv['requests']} requests, {kv['failures']} "
+                  f"failed); prefills {r['disaggregated']}")
     report = {"kind": "router", "prompt_tokens": prompt_tokens, "results": results, "args": vars(args)}
     if "round_robin" in results and "cache_aware" in results:
         ratio = results["round_robin"]["prefill_tokens"] / max(results["cache_aware"]["prefill_tokens"], 1)

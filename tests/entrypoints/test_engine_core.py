@@ -123,6 +123,14 @@ def test_wire_deltas_rebuild_cumulative_outputs():
         got = assembler.decode(wire.unpack(wire.pack(tuple(deltas.encode(out)))))
         assert [c.text for c in got.outputs] == texts and got.outputs[0].token_ids == list(range(i + 1))
     assert steps and got.finished
+    # Refusals keep their class across the wire, so the server's handlers give the same status.
+    from kvflow.entrypoints.async_engine import EngineOverloadedError
+    from kvflow.structured_output.backend import StructuredOutputError
+
+    overloaded = wire.decode_error(*wire.unpack(wire.pack(wire.encode_error(EngineOverloadedError(5, 4)))))
+    assert isinstance(overloaded, EngineOverloadedError) and overloaded.max_waiting == 4 and "max_waiting=4" in str(overloaded)
+    so = wire.decode_error(*wire.encode_error(StructuredOutputError("bad", "regex")))
+    assert isinstance(so, StructuredOutputError) and so.field == "regex"
     params = SamplingParams(temperature=0.5, stop=["a"], seed=2**64 - 1, max_tokens=3)
     back = wire.decode_params(wire.unpack(wire.pack((wire.encode_params(params),)))[0])
     assert (back.stop, back.seed, back.temperature) == (["a"], 2**64 - 1, 0.5)

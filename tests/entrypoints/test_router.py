@@ -114,6 +114,22 @@ def test_answers_and_streams_pass_through(cluster):
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == direct
     assert http.get("/v1/models").json()["data"][0]["id"] == NAME
+    # A client that leaves mid-stream: the router closes the upstream, the instance aborts and frees.
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 6:
+                break
+    deadline = time.monotonic() + 10
+    while any(gauge(url, "kvflow:num_requests_running") or gauge(url, "kvflow:kv_cache_usage_perc")
+              for _, url in procs):
+        assert time.monotonic() < deadline, "an instance kept the abandoned request"
+        time.sleep(0.1)
+
+
+def gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_shared_prefixes_stay_on_one_instance(cluster):
@@ -129,9 +145,10 @@ def test_shared_prefixes_stay_on_one_instance(cluster):
     metrics = http.get("/metrics").text
     for _, url in procs:
         assert f'instance="{url}"' in metrics and f'kvflow_router_instance_up{{instance="{url}"}} 1' in metrics
-    # The first request of each prompt family was placed by load, every later one by its cached prefix.
+    # The first request of each prompt family was placed by load, every later one (the abandoned
+    # stream of the first test included) by its cached prefix.
     assert 'kvflow_router_decisions_total{reason="load"} 3' in metrics
-    assert 'kvflow_router_decisions_total{reason="cache"} 7' in metrics
+    assert 'kvflow_router_decisions_total{reason="cache"} 8' in metrics
     assert http.get("/health").json()["status"] == "ok"
 
 

@@ -14,7 +14,9 @@ request finish sees its blocks back in the pool too.
 
 Signals: SIGINT and SIGTERM are ignored (a Ctrl-C reaches the whole process group, but it is the
 API server that drains and then shuts the core down); the core dies with its parent
-(PR_SET_PDEATHSIG on Linux, and a poll of the parent's pid everywhere).
+(PR_SET_PDEATHSIG on Linux, and a poll of the parent's pid everywhere). PR_SET_PDEATHSIG fires
+when the *thread* that started the child ends, so `EngineCoreClient` must be built on a thread
+that lives as long as it (the main thread, in `kvflow serve` and the tests).
 """
 
 from __future__ import annotations

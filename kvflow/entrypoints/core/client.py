@@ -84,6 +84,9 @@ class EngineCoreClient:
         except BaseException:
             self._kill()
             raise
+        # Both ends are connected now, and connected ipc sockets outlive their paths: remove the
+        # directory at once, so that no exit (a kill, the second SIGTERM's os._exit) leaves it behind.
+        shutil.rmtree(self._dir, ignore_errors=True)
         self.model_path: str = info["model_path"]
         self.dtype_name: str = info["dtype"]
         self.max_model_len: int = info["max_model_len"]

@@ -40,7 +40,7 @@ class EngineOverloadedError(RuntimeError):
             f"the server is overloaded: {num_waiting} requests are already waiting (max_waiting={max_waiting}); "
             "retry later"
         )
-        self.retry_after = retry_after
+        self.num_waiting, self.max_waiting, self.retry_after = num_waiting, max_waiting, retry_after
 
 
 class EngineStepError(RuntimeError):
@@ -134,7 +134,7 @@ class AsyncEngine:
     without limit while every client times out.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, kv_transfer_config: Any = None) -> None:
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.engine = engine
@@ -149,10 +149,16 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
+        self.kv_connector = None  # prefill/decode disaggregation (kvflow/kv_transfer/), with --kv-transfer-config
+        if kv_transfer_config is not None:
+            from kvflow.kv_transfer.zmq_connector import make_connector
+
+            self.kv_connector = make_connector(self, kv_transfer_config)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> "AsyncEngine":
-        return cls(LLMEngine(config), max_waiting=max_waiting)
+    def from_config(cls, config: EngineConfig, max_waiting: int | None = None,
+                    kv_transfer_config: Any = None) -> "AsyncEngine":
+        return cls(LLMEngine(config), max_waiting=max_waiting, kv_transfer_config=kv_transfer_config)
 
     # ---- read-only views (safe from any thread: set once at start-up) ------------------------
     @property
@@ -167,6 +173,14 @@ class AsyncEngine:
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's defaults for the sampling fields a request leaves unset (generation_config)."""
         return self.engine.sampling_defaults
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.engine.dtype).removeprefix("torch.")
 
     @property
     def is_running(self) -> bool:
@@ -192,9 +206,11 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Submit a request; returns its output stream once the engine accepted it.
 
+        `kv_transfer_params` (prefill/decode disaggregation) may load the prompt's KV from a producer.
         Raises what `LLMEngine.add_request` raises (ValueError for a bad prompt or id,
         `StructuredOutputError` for a constraint that does not compile),
         `EngineOverloadedError` when the waiting queue is full, `EngineDeadError` after shutdown.
@@ -205,6 +221,10 @@ class AsyncEngine:
             # Compile on a worker thread (xgrammar compiles in C++, not holding the GIL throughout), so
             # the engine thread keeps stepping; its add_request then finds the grammar cached.
             await loop.run_in_executor(None, self.engine.compile_structured_output, params)
+        if kv_transfer_params is not None:  # a consumer loads the prompt's blocks from the producer first
+            from kvflow.kv_transfer.zmq_connector import prepare_kv_transfer
+
+            await prepare_kv_transfer(self, prompt, kv_transfer_params)
         stream = RequestStream(request_id, self, loop)
         future: asyncio.Future = loop.create_future()
         cmd = _AddCommand(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), priority, stream, future)

@@ -43,6 +43,14 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish before aborting them (new ones "
                         "get 503 meanwhile); a second SIGTERM exits at once")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation: \'{"kv_role": "kv_producer"}\' (a prefill instance; keys '
+                        "kv_host, kv_port: where it serves its prompt blocks) or '{\"kv_role\": \"kv_consumer\"}' "
+                        "(a decode instance; kv_timeout_s: how long it waits for them before computing the prompt "
+                        "itself); see kvflow router --prefill/--decode")
+    g.add_argument("--in-process-engine", action="store_true",
+                   help="run the engine loop in the API server's process (a thread) instead of its own engine "
+                        "core process")
     g.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
 
@@ -55,16 +63,29 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:  # before the weights load
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
-    engine = AsyncEngine.from_config(engine_config_from_args(args), max_waiting=None if max_waiting < 0 else max_waiting)
+    kv_transfer = None
+    if args.kv_transfer_config is not None:  # checked before the weights load
+        from kvflow.kv_transfer.config import KVTransferConfig
+
+        kv_transfer = KVTransferConfig.parse(args.kv_transfer_config)
+        if not args.enable_prefix_caching:
+            raise ValueError("--kv-transfer-config needs prefix caching: transferred blocks enter the prefix cache")
+    engine_class = AsyncEngine
+    if not args.in_process_engine:  # the engine loop in its own process, over ZMQ (entrypoints/core/)
+        from kvflow.entrypoints.core.client import EngineCoreClient as engine_class
+    engine = engine_class.from_config(engine_config_from_args(args), max_waiting=None if max_waiting < 0 else max_waiting,
+                                      kv_transfer_config=kv_transfer)
+    if not args.in_process_engine:
+        logger.info("engine core: process %d (the API server tokenizes and streams; --in-process-engine for one "
+                    "process)", engine.core_pid)
     logger.info("admission: at most %s request(s) waiting (--max-waiting), then 503; SIGTERM drains for at most "
                 "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    dtype = str(engine.engine.dtype).removeprefix("torch.")
     # The engine has already logged the KV cache plan while loading.
-    logger.info("model: %s (served as %r), dtype: %s", engine.engine.model_path, name, dtype)
+    logger.info("model: %s (served as %r), dtype: %s", engine.model_path, name, engine.dtype_name)
     logger.info("%s; a request's own fields win (--generation-config vllm: none), see /v1/models",
                 engine.sampling_defaults.describe())
     logger.info("serving on %s/v1 (health: %s/health, metrics: %s/metrics)", url, url, url)
@@ -78,10 +99,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,roofline}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import collectives, latency, prefix, quality, roofline, serve, speculative, throughput
+    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,router,roofline,collectives}`; each module defers its heavy imports to its run()."""
+    from kvflow.bench import collectives, latency, prefix, quality, roofline, router, serve, speculative, throughput
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, roofline, collectives")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, router, "
+                                     "roofline, collectives")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -91,6 +113,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("speculative", speculative, "the same requests with and without --speculative-config, in one run", True),
         ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
+        ("router", router, "prefill tokens behind kvflow router: cache-aware vs round-robin over fresh instances",
+         False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
         ("collectives", collectives, "µs per gloo all-reduce and stage-to-stage send at decode/prefill sizes", False),
     ]
@@ -107,8 +131,14 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 # ---- entry point ----------------------------------------------------------------------------
+def register_router_command(sub: argparse._SubParsersAction) -> None:
+    from kvflow.entrypoints.router import register_router
+
+    register_router(sub)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    register_serve, register_generate, register_chat, register_plan, register_bench,
+    register_serve, register_generate, register_chat, register_plan, register_bench, register_router_command,
 ]
 
 
@@ -127,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0

@@ -136,15 +136,22 @@ class ChoiceStates:
 
 
 async def submit_all(engine: Any, prefix: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams], priority: int) -> tuple[str, list[Any]]:
+                     params: list[SamplingParams], priority: int,
+                     kv_transfer_params: dict | None = None) -> tuple[str, list[Any]]:
     """Submit one engine request per prompt; all or none (a refused prompt aborts the others)."""
+    extra = {}
+    if kv_transfer_params is not None:
+        if len(prompts) != 1:
+            raise p.InvalidRequestError("kv_transfer_params: only a single prompt can be disaggregated",
+                                        param="kv_transfer_params")
+        extra = {"kv_transfer_params": kv_transfer_params}
     base = f"{prefix}-{uuid.uuid4().hex}"
     streams: list[Any] = []
     try:
         for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
             request_id = base if len(prompts) == 1 else f"{base}-{i}"
             streams.append(await engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, sp,
-                                                    priority=priority))
+                                                    priority=priority, **extra))
     except BaseException:
         for stream in streams:
             stream.abort()

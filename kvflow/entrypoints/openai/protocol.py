@@ -59,6 +59,9 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     user: str | None = None
     priority: int = 0
     prompt_logprobs: int | None = None  # vLLM's extension: score the prompt's own tokens
+    # vLLM's field for prefill/decode disaggregation, set by `kvflow router --prefill/--decode`
+    # (do_remote_decode for the prefill instance; do_remote_prefill + remote_kv_addr for the decode one).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:

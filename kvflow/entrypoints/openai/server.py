@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import secrets
 import time
@@ -143,12 +144,14 @@ class OpenAIServer:
         return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     async def submit(self, prefix: str, text: str | None, ids: list[int], params: SamplingParams,
-                     priority: int, structured_field: str | None = None) -> RequestStream:
+                     priority: int, structured_field: str | None = None,
+                     kv_transfer_params: dict | None = None) -> RequestStream:
         """Hand the request to the engine; a constraint that does not compile is a 400 naming `structured_field`."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         with structured_output_errors(structured_field):
+            extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}
             return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                                 priority=priority)
+                                                 priority=priority, **extra)
 
     # ---- consuming a request's outputs --------------------------------------------------------
     async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
@@ -205,7 +208,8 @@ class OpenAIServer:
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs: the engine scores it
             params = [c.with_prompt_logprobs(sp, body.logprobs) for sp in params]
         with structured_output_errors(body.structured_output_field):
-            request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority)
+            request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority,
+                                                     body.kv_transfer_params)
         echoes = [self.echo_text(text, ids) if body.echo else "" for text, ids in prompts]
         if body.stream:
             return _sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
@@ -278,7 +282,8 @@ class OpenAIServer:
         self.check_model(body.model)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
-        stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field)
+        stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field,
+                                   body.kv_transfer_params)
         if body.stream:
             return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
@@ -380,7 +385,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     def model_card() -> p.ModelCard:
         defaults = engine.sampling_defaults
-        return p.ModelCard(id=served_model_name, root=getattr(engine.engine, "model_path", None),
+        return p.ModelCard(id=served_model_name, root=getattr(engine, "model_path", None),
                            max_model_len=engine.max_model_len, sampling_defaults=dict(defaults.values),
                            sampling_defaults_source=defaults.source)
 
@@ -400,6 +405,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, raw: Request) -> Response:
         return await server.chat(body, raw)
+
+    @app.get("/kv_transfer")  # the KV connector's role, address and counters (kvflow router --prefill reads it)
+    async def kv_transfer() -> Response:
+        from kvflow.kv_transfer.zmq_connector import kv_transfer_info
+
+        info = engine.kv_transfer_info() if hasattr(engine, "kv_transfer_info") else kv_transfer_info(engine)
+        return Response(json.dumps(info), media_type="application/json") if info else error_response(
+            404, "this instance has no --kv-transfer-config", code="kv_transfer_disabled")
 
     register_dashboard(app, engine, metrics, served_model_name, api_key)
     return app

@@ -1,0 +1,354 @@
+"""`kvflow router`: one OpenAI address in front of N identical `kvflow serve` instances.
+
+The router never tokenizes or generates: it reads a request's JSON only to find its prompt
+(`routing.prompt_key`), lets the policy (`routing.CacheAwarePolicy` by default) pick the
+instance most likely to hold that prompt's prefix in its KV cache, and forwards the body as it
+came, streaming the answer back byte for byte (SSE included). A client that hangs up closes the
+upstream connection, so the instance aborts the request and frees its blocks.
+
+Failures: an instance that refuses the connection is marked down and the request is retried on
+another one (nothing was sent, so it is safe); an instance that dies mid-answer ends a stream
+with an OpenAI-shaped error event and `[DONE]` (tokens already sent cannot be taken back), and a
+non-streaming request with a 502 in OpenAI's shape. A health loop polls every instance's
+/health and brings it back when it answers again. /health is 200 while at least one instance
+is up (its body lists each one's state), 503 when none is; /metrics is every instance's own
+metrics, each sample labelled with its `instance`, plus the router's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvflow.entrypoints.openai.errors import error_response
+from kvflow.entrypoints.routing import POLICIES, Instance
+
+try:
+    import httpx
+except ImportError:  # the openai client may ship its HTTP stack as `httpx2`
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+logger = logging.getLogger("kvflow")
+HEALTH_INTERVAL_S = 1.0
+_FORWARD_HEADERS = ("authorization", "content-type")
+
+
+class Router:
+    """The instances, the policy and the forwarding; `build_router_app` puts routes on it."""
+
+    def __init__(self, urls: list[str], policy: str = "cache_aware", request_timeout: float = 600.0,
+                 prefill_urls: list[str] | tuple = (), prefill_timeout: float = 60.0) -> None:
+        if not urls:
+            raise ValueError("router: give at least one instance (--instance URL, or --decode URL)")
+        if policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.instances = [Instance(u.rstrip("/")) for u in urls]
+        self.prefills = [Instance(u.rstrip("/")) for u in prefill_urls]
+        self.policy, self.prefill_policy = POLICIES[policy](), POLICIES[policy]()
+        self.prefill_timeout = prefill_timeout
+        self.disaggregated = {"remote_prefill": 0, "fallback": 0}
+        self.timeout = httpx.Timeout(request_timeout, connect=5.0)
+        self.client: httpx.AsyncClient | None = None
+        self.routed = {"cache": 0, "balance": 0, "load": 0, "round_robin": 0}
+
+    def healthy(self, pool: list[Instance] | None = None) -> list[Instance]:
+        return [i for i in (self.instances if pool is None else pool) if i.healthy]
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
+        await self.check_health()
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def check_health(self) -> None:
+        async def one(inst: Instance) -> None:
+            try:
+                ok = (await self.client.get(inst.url + "/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok != inst.healthy:
+                logger.warning("router: instance %s is %s", inst.url, "up" if ok else "down")
+            if ok:
+                inst.healthy = True
+                if inst in self.prefills and inst.kv_addr is None:
+                    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                        inst.kv_addr = (await self.client.get(inst.url + "/kv_transfer", timeout=2.0)).json()["kv_addr"]
+            else:
+                inst.mark_down()
+                inst.kv_addr = None
+
+        await asyncio.gather(*(one(i) for i in self.instances + self.prefills))
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            with contextlib.suppress(Exception):
+                await self.check_health()
+
+    # ---- forwarding ----------------------------------------------------------------------------
+    async def forward(self, path: str, raw: Request) -> Response:
+        from kvflow.entrypoints.routing import prompt_key
+
+        body_bytes = await raw.body()
+        try:
+            body = json.loads(body_bytes)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
+        key = prompt_key(path, body)
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
+        if self.prefills:
+            body_bytes = await self.prefill(path, body, body_bytes, key, headers)
+        tried: set[str] = set()
+        while True:
+            candidates = [i for i in self.healthy() if i.url not in tried]
+            if not candidates:
+                return error_response(503, "no kvflow instance is available behind this router "
+                                           f"({len(self.instances)} configured, all down)", "server_error",
+                                      code="no_instance")
+            choice = self.policy.choose(candidates, key)
+            inst = choice.instance
+            tried.add(inst.url)
+            request = self.client.build_request("POST", inst.url + path, content=body_bytes, headers=headers)
+            inst.in_flight += 1
+            try:
+                upstream = await self.client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached it: retry elsewhere
+                inst.in_flight -= 1
+                inst.failures_total += 1
+                logger.warning("router: %s refused the connection (%s); trying another instance", inst.url, exc)
+                inst.mark_down()
+                continue
+            except httpx.HTTPError as exc:
+                inst.in_flight -= 1
+                inst.failures_total += 1
+                return error_response(502, f"the instance {inst.url} failed: {exc!r}", "server_error",
+                                      code="instance_failed")
+            inst.requests_total += 1
+            self.routed[choice.reason] += 1
+            return await self._relay(inst, upstream, bool(body.get("stream")))
+
+    async def prefill(self, path: str, body: dict, body_bytes: bytes, key: Any, headers: dict) -> bytes:
+        """Have a prefill instance compute the prompt; the body the decode instance gets.
+
+        The prefill runs as the same request cut to one token (its prompt blocks then sit in the
+        producer's prefix cache); the decode body names the producer, whose blocks the decode
+        instance fetches before it admits the request. If no prefill instance is up, or it fails
+        or times out, the decode instance gets the request as it came and computes the prompt.
+        """
+        candidates = [i for i in self.healthy(self.prefills) if i.kv_addr]
+        if not candidates:
+            self.disaggregated["fallback"] += 1
+            return body_bytes
+        inst = self.prefill_policy.choose(candidates, key).instance
+        short = {**body, "max_tokens": 1, "stream": False, "n": 1, "min_tokens": 0, "echo": False,
+                 "kv_transfer_params": {"do_remote_decode": True}}
+        for name in ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs"):
+            short.pop(name, None)
+        inst.in_flight += 1
+        try:
+            r = await self.client.post(inst.url + path, json=short, headers=headers, timeout=self.prefill_timeout)
+            ok = r.status_code == 200
+            if not ok:
+                logger.warning("router: prefill on %s answered %d: %s", inst.url, r.status_code, r.text[:200])
+        except httpx.HTTPError as exc:
+            logger.warning("router: prefill on %s failed (%r); the decode instance computes the prompt", inst.url, exc)
+            inst.failures_total += 1
+            ok = False
+        finally:
+            inst.in_flight -= 1
+        if not ok:
+            self.disaggregated["fallback"] += 1
+            return body_bytes
+        inst.requests_total += 1
+        self.disaggregated["remote_prefill"] += 1
+        return json.dumps({**body, "kv_transfer_params": {"do_remote_prefill": True,
+                                                          "remote_kv_addr": inst.kv_addr}}).encode()
+
+    async def _relay(self, inst: Instance, upstream: httpx.Response, streaming: bool) -> Response:
+        passed = {k: v for k, v in upstream.headers.items()
+                  if k.lower() in ("content-type", "retry-after", "cache-control", "x-accel-buffering")}
+        if not streaming or upstream.status_code != 200:
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                inst.failures_total += 1
+                return error_response(502, f"the instance {inst.url} failed mid-answer: {exc!r}", "server_error",
+                                      code="instance_failed")
+            finally:
+                await upstream.aclose()
+                inst.in_flight -= 1
+            return Response(content, status_code=upstream.status_code, headers=passed)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                inst.failures_total += 1
+                err = {"error": {"message": f"the instance {inst.url} failed mid-stream: {exc!r}",
+                                 "type": "server_error", "param": None, "code": 502}}
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                await upstream.aclose()  # the client left, or the answer ended: the instance aborts or is done
+                inst.in_flight -= 1
+
+        return _ClosingStreamingResponse(body(), status_code=200, headers=passed)
+
+    async def get_any(self, path: str) -> Response:
+        for inst in self.healthy():
+            try:
+                r = await self.client.get(inst.url + path)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return error_response(503, "no kvflow instance is available behind this router", "server_error",
+                              code="no_instance")
+
+    async def metrics(self) -> str:
+        async def one(inst: Instance) -> str:
+            if not inst.healthy:
+                return ""
+            try:
+                return (await self.client.get(inst.url + "/metrics", timeout=5.0)).text
+            except httpx.HTTPError:
+                return ""
+
+        pool = self.instances + self.prefills
+        texts = await asyncio.gather(*(one(i) for i in pool))
+        return aggregate_metrics([(i.url, t) for i, t in zip(pool, texts)], self)
+
+
+def aggregate_metrics(per_instance: list[tuple[str, str]], router: Router) -> str:
+    """Every instance's samples with an `instance` label (HELP/TYPE once per family), then the router's."""
+    families: dict[str, list[str]] = {}
+    headers: dict[str, list[str]] = {}
+    for url, text in per_instance:
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                if line not in headers.setdefault(family, []):
+                    headers[family].append(line)
+                continue
+            if not line or line.startswith("#"):
+                continue
+            name, _, rest = line.partition(" ")
+            label = f'instance="{url}"'
+            if "{" in name:
+                name = name.replace("{", "{" + label + ",", 1)
+            else:
+                name = name + "{" + label + "}"
+            families.setdefault(family or name, []).append(f"{name} {rest}")
+    out = []
+    for family, samples in families.items():
+        out += headers.get(family, []) + samples
+    out.append("# HELP kvflow_router_instance_up Whether the router's health check reaches the instance.")
+    out.append("# TYPE kvflow_router_instance_up gauge")
+    out += [f'kvflow_router_instance_up{{instance="{i.url}"}} {int(i.healthy)}'
+            for i in router.instances + router.prefills]
+    out.append("# HELP kvflow_router_disaggregated_total Requests by how their prompt was computed "
+               "(on a prefill instance, or by the decode instance after a failed or missing prefill).")
+    out.append("# TYPE kvflow_router_disaggregated_total counter")
+    out += [f'kvflow_router_disaggregated_total{{prefill="{k}"}} {n}' for k, n in router.disaggregated.items()]
+    out.append("# HELP kvflow_router_requests_total Requests forwarded, by instance.")
+    out.append("# TYPE kvflow_router_requests_total counter")
+    out += [f'kvflow_router_requests_total{{instance="{i.url}"}} {i.requests_total}' for i in router.instances]
+    out.append("# HELP kvflow_router_decisions_total Routing decisions, by reason (cache hit, balance, load).")
+    out.append("# TYPE kvflow_router_decisions_total counter")
+    out += [f'kvflow_router_decisions_total{{reason="{r}"}} {n}' for r, n in router.routed.items()]
+    return "\n".join(out) + "\n"
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its generator however the response ends (the client left: the upstream closes now)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def build_router_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.start()
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.stop()
+
+    app = FastAPI(title="kvflow router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await router.forward("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await router.forward("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.get_any("/v1/models")
+
+    @app.get("/health")
+    async def health() -> Response:
+        states = [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight,
+                   "role": "prefill" if i in router.prefills else "decode" if router.prefills else "instance"}
+                  for i in router.instances + router.prefills]
+        if not router.healthy():
+            return error_response(503, "no kvflow instance behind this router is healthy: "
+                                  + ", ".join(i.url for i in router.instances), "server_error", code="no_instance")
+        status = "ok" if all(s["healthy"] for s in states) else "degraded"
+        return JSONResponse({"status": status, "instances": states})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await router.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---- the command ------------------------------------------------------------------------------
+def register_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="one OpenAI address in front of several kvflow serve instances")
+    p.add_argument("--instance", "--decode", dest="instances", action="append", default=[], metavar="URL",
+                   help="a kvflow serve instance, e.g. http://127.0.0.1:8001 (repeat for each)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill instance (kvflow serve --kv-transfer-config '{\"kv_role\": \"kv_producer\"}'); "
+                        "then every --decode instance must be a kv_consumer")
+    p.add_argument("--prefill-timeout", type=float, default=60.0,
+                   help="seconds a prefill may take before the decode instance computes the prompt itself")
+    p.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES),
+                   help="cache_aware: the instance holding the longest prefix of the prompt, by load "
+                        "otherwise (default); round_robin")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.set_defaults(func=run_router)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    router = Router(args.instances, args.policy, args.request_timeout, args.prefill, args.prefill_timeout)
+    logger.info("router: %s over %s%s on http://%s:%d", router.policy.name, ", ".join(args.instances),
+                f" (prefill on {', '.join(args.prefill)})" if args.prefill else "", args.host, args.port)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0

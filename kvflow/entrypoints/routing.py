@@ -1,0 +1,152 @@
+"""Where the router sends a request: cache-aware choice between identical instances.
+
+Each instance's prefix cache only pays if requests that share a prefix land on the same
+instance. The router cannot see the instances' caches, so it keeps, per instance, an
+approximate record of what it *sent* there (`PrefixIndex`), as SGLang's cache-aware router does
+with its radix trees: the prompt (text, or token ids) is cut into fixed chunks whose chained
+hashes stand for the tree's paths, so the longest run of known hashes from the start is the
+longest prefix that instance has probably cached. The record is bounded (least recently used
+chunks go first), like the cache it approximates.
+
+`CacheAwarePolicy.choose` (SGLang's rule, in short):
+  1. If the instances' loads (requests in flight through this router) are out of balance, both
+     by more than `balance_abs` and by a factor over `balance_rel`, take the least loaded one.
+  2. Otherwise take the instance with the longest match; if that match covers at least
+     `cache_threshold` of the prompt, it wins (ties: the less loaded).
+  3. Else no instance holds much of it: take the least loaded (ties: the smallest record, which
+     has the most room).
+Then the prompt is recorded on the chosen instance. `RoundRobinPolicy` is the baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+TEXT_CHUNK = 32  # characters per hashed chunk of a text prompt
+TOKEN_CHUNK = 16  # token ids per hashed chunk (a KV block's worth)
+MAX_CHUNKS = 1 << 16  # per instance
+
+
+def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
+    """What identifies a request's prompt: its text, its token ids, or its chat messages in order."""
+    if path.endswith("chat/completions"):
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # OpenAI content parts
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}\x00{content or ''}\x01")
+        return "".join(parts)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):  # a batch: its first prompt
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return [int(t) for t in prompt if isinstance(t, int)]
+    return str(prompt)
+
+
+def chunk_hashes(key: str | list[int]) -> list[int]:
+    """Chained hashes of the key's full chunks: hash i stands for the prefix key[: (i + 1) * chunk]."""
+    size = TOKEN_CHUNK if isinstance(key, list) else TEXT_CHUNK
+    out, h = [], 0
+    for start in range(0, len(key) - size + 1, size):
+        piece = key[start:start + size]
+        h = hash((h, tuple(piece) if isinstance(piece, list) else piece))
+        out.append(h)
+    return out
+
+
+class PrefixIndex:
+    """An approximate prefix tree of what was sent to one instance (see the module docstring)."""
+
+    def __init__(self, max_chunks: int = MAX_CHUNKS) -> None:
+        self.max_chunks = max_chunks
+        self._chunks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading chunks of the prompt this instance was sent before."""
+        n = 0
+        for h in hashes:
+            if h not in self._chunks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._chunks[h] = None
+            self._chunks.move_to_end(h)
+        while len(self._chunks) > self.max_chunks:
+            self._chunks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._chunks.clear()
+
+
+@dataclass
+class Instance:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    requests_total: int = 0
+    failures_total: int = 0
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    kv_addr: str | None = None  # a prefill instance's KV block server (from its GET /kv_transfer)
+
+    def mark_down(self) -> None:
+        """Its cache is gone with it: forget what it was sent."""
+        self.healthy = False
+        self.index.clear()
+
+
+@dataclass
+class Choice:
+    instance: Instance
+    matched_chunks: int
+    total_chunks: int
+    reason: str  # "cache", "balance", "load" or "round_robin"
+
+
+class CacheAwarePolicy:
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.5) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+
+    def choose(self, instances: list[Instance], key: str | list[int]) -> Choice:
+        hashes = chunk_hashes(key)
+        loads = [i.in_flight for i in instances]
+        lo, hi = min(loads), max(loads)
+        least = min(instances, key=lambda i: (i.in_flight, len(i.index)))
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            choice = Choice(least, least.index.match(hashes), len(hashes), "balance")
+        else:
+            matches = [(i.index.match(hashes), -i.in_flight, n) for n, i in enumerate(instances)]
+            best_match, _, best = max(matches)
+            if hashes and best_match / len(hashes) >= self.cache_threshold:
+                choice = Choice(instances[best], best_match, len(hashes), "cache")
+            else:
+                choice = Choice(least, least.index.match(hashes), len(hashes), "load")
+        choice.instance.index.insert(hashes)
+        return choice
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, instances: list[Instance], key: str | list[int]) -> Choice:
+        return Choice(instances[next(self._turn) % len(instances)], 0, 0, "round_robin")
+
+
+POLICIES = {"cache_aware": CacheAwarePolicy, "round_robin": RoundRobinPolicy}

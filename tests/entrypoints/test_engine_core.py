@@ -1,0 +1,154 @@
+"""The split server: the API server over an engine core in its own process (entrypoints/core/).
+
+One core process (SmolLM2-135M, float32) serves the module through the real app on a loopback
+port; the last test kills it. Greedy text must equal the in-process `LLM`'s, streaming must equal
+non-streaming, aborts must free blocks in the other process, and a dead core must give OpenAI-
+shaped errors and an unhealthy /health without hanging anyone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kvflow.config import EngineConfig
+from kvflow.entrypoints.core import wire
+from kvflow.entrypoints.core.client import EngineCoreClient
+from kvflow.entrypoints.openai.server import build_app
+from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.sampling.params import SamplingParams
+
+from .conftest import ENGINE_KWARGS, MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def split_server():
+    engine = EngineCoreClient(EngineConfig(**ENGINE_KWARGS), max_waiting=64)
+    server, thread, port = start_uvicorn(build_app(engine, MODEL_NAME))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            yield engine, http
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+
+
+def completion(http, prompt=PROMPT, **kw) -> dict:
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_events(http, body: dict) -> list:
+    with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_greedy_text_stream_and_usage_match_in_process(split_server, offline_llm):
+    engine, http = split_server
+    ref = offline_llm.generate([PROMPT, "def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24),
+                               use_tqdm=False)
+    for prompt, out in zip([PROMPT, "def fibonacci(n):"], ref):
+        body = completion(http, prompt, max_tokens=24)
+        assert body["choices"][0]["text"] == out.outputs[0].text
+        assert body["usage"]["completion_tokens"] == len(out.outputs[0].token_ids)
+        events = stream_events(http, {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == out.outputs[0].text
+    assert wait_engine_idle(engine, 5.0), engine.get_stats()
+
+
+def test_stop_strings_logprobs_and_n(split_server, offline_llm):
+    engine, http = split_server
+    params = SamplingParams(temperature=0, max_tokens=24, stop=["\n\n"], logprobs=2)
+    ref = offline_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    body = completion(http, max_tokens=24, stop=["\n\n"], logprobs=2)["choices"][0]
+    assert body["text"] == ref.text and body["finish_reason"] == "stop"
+    assert len(body["logprobs"]["tokens"]) == len(ref.token_ids)
+    streamed = stream_events(http, {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": ["\n\n"]})
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in streamed[:-1]) == ref.text
+    two = completion(http, max_tokens=8, n=2, temperature=0.8, seed=3)["choices"]
+    assert [c["index"] for c in two] == [0, 1]
+
+
+def test_chat_metrics_dashboard_and_errors(split_server):
+    engine, http = split_server
+    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    metrics = http.get("/metrics").text
+    assert "kvflow:prompt_tokens_total" in metrics or "prompt_tokens" in metrics
+    assert engine.get_stats().generation_tokens > 0  # the core's counters reach this process
+    frame = http.get("/dashboard/events", params={"frames": 1, "interval": 0.1})  # a pool snapshot via call()
+    assert frame.status_code == 200 and "blocks" in frame.text
+    bad = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [10**7], "max_tokens": 2})
+    assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]  # refused in the core
+    schema = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
+                                                "response_format": {"type": "json_schema", "json_schema": {
+                                                    "name": "s", "schema": {"type": "nonsense"}}}})
+    assert schema.status_code == 400, schema.text
+
+
+def test_disconnect_aborts_in_the_core(split_server):
+    engine, http = split_server
+    body = {"model": MODEL_NAME, "prompt": "Write a long story.", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+    assert wait_engine_idle(engine, 5.0), engine.get_stats()
+
+
+def test_wire_deltas_rebuild_cumulative_outputs():
+    """Text that shrinks (a stop string cut off) and n > 1 completions come out whole on the client."""
+    deltas, assembler = wire.OutputDeltas(), wire.OutputAssembler()
+    assembler.start("r", "p", [1, 2])
+    for i, texts in enumerate([["He", "x"], ["Hello ST", "xy"], ["Hello", "xyz"]]):
+        comps = [CompletionOutput(j, t, list(range(i + 1)), None, None, "stop" if i == 2 else None)
+                 for j, t in enumerate(texts)]
+        out = RequestOutput("r", "p", [1, 2], comps, i == 2, RequestMetrics(0.0))
+        got = assembler.decode(wire.unpack(wire.pack(tuple(deltas.encode(out)))))
+        assert [c.text for c in got.outputs] == texts and got.outputs[0].token_ids == list(range(i + 1))
+    assert got.finished
+    # Refusals keep their class across the wire, so the server's handlers give the same status.
+    from kvflow.entrypoints.async_engine import EngineOverloadedError
+    from kvflow.structured_output.backend import StructuredOutputError
+
+    overloaded = wire.decode_error(*wire.unpack(wire.pack(wire.encode_error(EngineOverloadedError(5, 4)))))
+    assert isinstance(overloaded, EngineOverloadedError) and overloaded.max_waiting == 4 and "max_waiting=4" in str(overloaded)
+    so = wire.decode_error(*wire.encode_error(StructuredOutputError("bad", "regex")))
+    assert isinstance(so, StructuredOutputError) and so.field == "regex"
+    params = SamplingParams(temperature=0.5, stop=["a"], seed=2**64 - 1, max_tokens=3)
+    back = wire.decode_params(wire.unpack(wire.pack((wire.encode_params(params),)))[0])
+    assert (back.stop, back.seed, back.temperature) == (["a"], 2**64 - 1, 0.5)
+
+
+def test_killed_core_fails_requests_and_health(split_server):
+    """Last in the module: SIGKILL the core mid-stream."""
+    engine, http = split_server
+    body = {"model": MODEL_NAME, "prompt": "Write a long story.", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    killer = threading.Timer(1.0, os.kill, (engine.core_pid, signal.SIGKILL))
+    started = time.monotonic()
+    killer.start()
+    events = stream_events(http, body)
+    assert time.monotonic() - started < 30
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "died" in error["message"]
+    health = http.get("/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4})
+    assert r.status_code in (500, 503) and set(r.json()["error"]) == {"message", "type", "param", "code"}

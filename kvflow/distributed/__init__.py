@@ -9,6 +9,8 @@
 - `messages.py`: what the driver sends each step and what comes back.
 - `executor.py`: the executors (`mp`) that start, feed and watch the workers.
 - `driver_runner.py`: the driver's runner: the scheduler's output in, sampled tokens out.
+- `kv_transfer/`: the KV connector that moves a prompt's blocks between instances (prefill/decode
+  disaggregation behind `kvflow router`).
 """
 
 from kvflow.distributed.config import ParallelConfig

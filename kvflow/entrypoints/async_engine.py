@@ -149,9 +149,9 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
-        self.kv_connector = None  # prefill/decode disaggregation (kvflow/kv_transfer/), with --kv-transfer-config
+        self.kv_connector = None  # prefill/decode disaggregation (kvflow/distributed/kv_transfer/), with --kv-transfer-config
         if kv_transfer_config is not None:
-            from kvflow.kv_transfer.zmq_connector import make_connector
+            from kvflow.distributed.kv_transfer.zmq_connector import make_connector
 
             self.kv_connector = make_connector(self, kv_transfer_config)
 
@@ -222,7 +222,7 @@ class AsyncEngine:
             # the engine thread keeps stepping; its add_request then finds the grammar cached.
             await loop.run_in_executor(None, self.engine.compile_structured_output, params)
         if kv_transfer_params is not None:  # a consumer loads the prompt's blocks from the producer first
-            from kvflow.kv_transfer.zmq_connector import prepare_kv_transfer
+            from kvflow.distributed.kv_transfer.zmq_connector import prepare_kv_transfer
 
             await prepare_kv_transfer(self, prompt, kv_transfer_params)
         stream = RequestStream(request_id, self, loop)

@@ -65,7 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
     kv_transfer = None
     if args.kv_transfer_config is not None:  # checked before the weights load
-        from kvflow.kv_transfer.config import KVTransferConfig
+        from kvflow.distributed.kv_transfer.config import KVTransferConfig
 
         kv_transfer = KVTransferConfig.parse(args.kv_transfer_config)
         if not args.enable_prefix_caching:

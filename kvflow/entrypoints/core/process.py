@@ -36,7 +36,7 @@ import zmq.asyncio
 from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine, RequestStream
 from kvflow.entrypoints.core import wire
-from kvflow.kv_transfer.zmq_connector import kv_transfer_info
+from kvflow.distributed.kv_transfer.zmq_connector import kv_transfer_info
 
 logger = logging.getLogger("kvflow")
 STATS_INTERVAL_S = 0.05  # idle stats refresh (aborts free blocks without any output)

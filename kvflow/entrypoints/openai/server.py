@@ -408,7 +408,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/kv_transfer")  # the KV connector's role, address and counters (kvflow router --prefill reads it)
     async def kv_transfer() -> Response:
-        from kvflow.kv_transfer.zmq_connector import kv_transfer_info
+        from kvflow.distributed.kv_transfer.zmq_connector import kv_transfer_info
 
         info = engine.kv_transfer_info() if hasattr(engine, "kv_transfer_info") else kv_transfer_info(engine)
         return Response(json.dumps(info), media_type="application/json") if info else error_response(

@@ -30,9 +30,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvflow.kv_transfer.base import KVConnectorScheduler, KVLoadResult
-from kvflow.kv_transfer.blocks import PoolBlocks, layout_of, num_cached_blocks
-from kvflow.kv_transfer.config import KVTransferConfig
+from kvflow.distributed.kv_transfer.base import KVConnectorScheduler, KVLoadResult
+from kvflow.distributed.kv_transfer.blocks import PoolBlocks, layout_of, num_cached_blocks
+from kvflow.distributed.kv_transfer.config import KVTransferConfig
 
 logger = logging.getLogger("kvflow")
 _worker = PoolBlocks()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.kv_transfer.blocks import PoolBlocks, layout_of, num_cached_blocks
-from kvflow.kv_transfer.config import KVTransferConfig
+from kvflow.distributed.kv_transfer.blocks import PoolBlocks, layout_of, num_cached_blocks
+from kvflow.distributed.kv_transfer.config import KVTransferConfig
 
 from ..conftest import save_tiny_llama
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvflow.engine.kv_cache_manager import hash_block
-from kvflow.kv_transfer.base import KVConnectorWorker
+from kvflow.distributed.kv_transfer.base import KVConnectorWorker
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 // Weight-only quantized GEMM with bf16 activations on AVX512-BF16:
 //     y[M, N] = x[M, K] @ bf16(dequant(W))^T (+ bias)
 // exactly what the bf16 GEMM (gemm.cpp) computes on the weight dequantized in float32 and
-// rounded to bf16: the same tiles, the same vdpbf16ps chains, the same stores. A quantized bf16
+// rounded to bf16 (vcvtne2ps2bf16 reads a denormal float32 weight, below 1.2e-38, as zero where
+// torch would round it; no real scale comes near that): the same tiles, the same vdpbf16ps chains, the same stores. A quantized bf16
 // model is therefore bit for bit the bf16 model whose weights are the quantized ones.
 //
 // Why not quant_gemm.cpp's float32 dot products: on AVX512-BF16 CPUs the bf16 GEMM runs at twice
@@ -189,9 +190,10 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
                 });
                 continue;
             }
+            if (m > kFusedRows && tiles == nullptr) continue;  // out of memory: `failed` is set
             uint16_t* buffer = tiles;
             std::unique_ptr<uint16_t, decltype(&std::free)> tail(nullptr, &std::free);
-            if (buffer == nullptr) {  // a decode's last, partial chunk: one tile in its own buffer
+            if (buffer == nullptr) {  // a decode's last, partial chunk (one tile): its own buffer
                 tail.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(tile_stride) * 2)));
                 buffer = tail.get();
                 if (buffer == nullptr) {

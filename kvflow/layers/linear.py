@@ -52,7 +52,7 @@ class Linear(nn.Linear):
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight of shape {weight.shape} for a Linear of "
                              f"{(self.out_features, self.in_features)}")
-        self.quant_weight, self.packing = weight, "quantized"
+        self.quant_weight, self.packing, self.quant_tiles = weight, "quantized", None
         self.packed_weight = self.packed_bias = None
         self._quant_op = self._quant_logits_op = None  # bound on first use, once the bias has its final dtype
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
@@ -107,7 +107,8 @@ class Linear(nn.Linear):
     def _pack_quantized(self) -> None:
         """bf16 models on AVX512-BF16: the quantized weight in tiles (its row layout released)."""
         qw = self.quant_weight
-        if (self.quant_tiles is not None or self.weight.dtype != torch.bfloat16 or not tile_kernels.available()
+        if (self.quant_tiles is not None or self.weight.dtype != torch.bfloat16 or qw.qweight.device.type != "cpu"
+                or not tile_kernels.available()
                 or not tile_kernels.supports(qw) or os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0"):
             return
         self.quant_tiles, self.packing = tile_kernels.pack(qw), "quantized-tiles"

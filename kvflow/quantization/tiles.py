@@ -73,7 +73,8 @@ def available() -> bool:
 def supports(weight: QuantizedWeight) -> bool:
     """Layouts the tile packing takes: whole k pairs per group (every format kvflow reads)."""
     k = weight.in_features
-    return k % 2 == 0 and weight.group_size % 2 == 0 and k % weight.group_size == 0
+    return (weight.bits in (4, 8) and k % 2 == 0 and weight.group_size % 2 == 0 and k % weight.group_size == 0
+            and (weight.bits == 8 or k % 32 == 0))
 
 
 def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
@@ -89,9 +90,9 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
     groups = k // weight.group_size
     scales = torch.empty(tiles, groups, TILE_COLS, dtype=torch.float32)
     offsets = None if weight.offsets is None else torch.empty_like(scales)
-    src = [t.contiguous() for t in (weight.qweight, weight.scales)]
+    src_q, src_scales = weight.qweight.contiguous(), weight.scales.float().contiguous()  # held across the call
     src_offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
-    rc = lib.kvflow_pack_quant_tiles(weight.bits, src[0].data_ptr(), src[1].float().contiguous().data_ptr(),
+    rc = lib.kvflow_pack_quant_tiles(weight.bits, src_q.data_ptr(), src_scales.data_ptr(),
                                      None if src_offsets is None else src_offsets.data_ptr(), weight.group_size, n, k,
                                      q.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr())
     cpu_kernels.check_rc(rc, "pack_quant_tiles")

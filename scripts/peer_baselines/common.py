@@ -122,3 +122,28 @@ def emit_median(figures: list[dict], keys: tuple[str, ...]) -> None:
     row.update({"seed": "median", "seeds": [f["seed"] for f in figures]})
     row.update({k: statistics.median(f[k] for f in figures) for k in keys})
     emit(row)
+
+
+def time_offline(generate, args, ident: dict, extra=None) -> list[dict]:
+    """W-offline for one peer: `generate(prompts, out_lens)` (-> each sequence's tokens) once on the
+    warm-up draw, then timed on each fresh draw; one JSON line per draw (plus `extra(figure,
+    generated)`'s fields), then the medians."""
+    prompts, out_lens = offline_requests(WARMUP_SEED, args.smoke)
+    t = time.perf_counter()
+    generate(prompts, out_lens)
+    print(f"[offline] warm-up (seed {WARMUP_SEED}) took {time.perf_counter() - t:.2f} s", flush=True)
+    figures = []
+    for seed in offline_seeds(args):
+        prompts, out_lens = offline_requests(seed, args.smoke)
+        t0 = time.perf_counter()
+        generated = generate(prompts, out_lens)
+        wall = time.perf_counter() - t0
+        fig = offline_figure(ident, seed, prompts, out_lens, sum(map(len, generated)), wall, args.smoke)
+        if extra is not None:
+            extra(fig, generated)
+        if args.smoke:
+            fig["first_tokens"] = [g[:8] for g in generated]
+        emit(fig)
+        figures.append(fig)
+    emit_median(figures, ("wall_s", "total_tok_s", "output_tok_s", "peak_rss_gb"))
+    return figures

@@ -143,23 +143,7 @@ def run_offline(args, ident: dict) -> list[dict]:
     engine = Engine(args.gguf, args.threads, n_ctx, common.N_REQ, args.n_batch, args.n_ubatch,
                     args.flash_attn, not args.kv_split)
     ident = {**ident, **engine.config}
-    prompts, out_lens = common.offline_requests(common.WARMUP_SEED, args.smoke)
-    t = time.perf_counter()
-    generate_batch(engine, prompts, out_lens)
-    print(f"[offline] warm-up (seed {common.WARMUP_SEED}) took {time.perf_counter() - t:.2f} s", flush=True)
-    figures = []
-    for seed in common.offline_seeds(args):
-        prompts, out_lens = common.offline_requests(seed, args.smoke)
-        t0 = time.perf_counter()
-        generated = generate_batch(engine, prompts, out_lens)
-        wall = time.perf_counter() - t0
-        fig = common.offline_figure(ident, seed, prompts, out_lens, sum(map(len, generated)), wall, args.smoke)
-        if args.smoke:
-            fig["first_tokens"] = [g[:8] for g in generated]
-        common.emit(fig)
-        figures.append(fig)
-    common.emit_median(figures, ("wall_s", "total_tok_s", "output_tok_s", "peak_rss_gb"))
-    return figures
+    return common.time_offline(lambda prompts, out_lens: generate_batch(engine, prompts, out_lens), args, ident)
 
 
 def run_latency(args, ident: dict) -> list[dict]:

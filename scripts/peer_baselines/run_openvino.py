@@ -86,26 +86,13 @@ class Streamer:
 
 
 def run_offline(pipe, args, ident: dict) -> list[dict]:
-    prompts, out_lens = common.offline_requests(common.WARMUP_SEED, args.smoke)
-    t = time.perf_counter()
-    generate_all(pipe, prompts, out_lens)
-    print(f"[offline] warm-up (seed {common.WARMUP_SEED}) took {time.perf_counter() - t:.2f} s", flush=True)
-    figures = []
-    for seed in common.offline_seeds(args):
-        prompts, out_lens = common.offline_requests(seed, args.smoke)
-        t0 = time.perf_counter()
-        generated = generate_all(pipe, prompts, out_lens)
-        wall = time.perf_counter() - t0
-        fig = common.offline_figure(ident, seed, prompts, out_lens, sum(map(len, generated)), wall, args.smoke)
+    def kv_cache(fig: dict, generated) -> None:
         metrics = pipe.get_metrics()  # the KV cache grows on demand when cache_size is 0
         fig["kv_cache_mb"] = round(metrics.kv_cache_size_in_bytes / 2**20, 1)
         fig["max_cache_usage_pct"] = round(metrics.max_cache_usage, 1)
-        if args.smoke:
-            fig["first_tokens"] = [g[:8] for g in generated]
-        common.emit(fig)
-        figures.append(fig)
-    common.emit_median(figures, ("wall_s", "total_tok_s", "output_tok_s", "peak_rss_gb"))
-    return figures
+
+    return common.time_offline(lambda prompts, out_lens: generate_all(pipe, prompts, out_lens), args, ident,
+                               kv_cache)
 
 
 def run_latency(pipe, args, ident: dict) -> list[dict]:

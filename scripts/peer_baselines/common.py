@@ -147,3 +147,23 @@ def time_offline(generate, args, ident: dict, extra=None) -> list[dict]:
         figures.append(fig)
     emit_median(figures, ("wall_s", "total_tok_s", "output_tok_s", "peak_rss_gb"))
     return figures
+
+
+def time_latency(stream, args, ident: dict) -> list[dict]:
+    """W-latency for one peer: `stream(prompt, n_out)` (-> start time, each token's time, the tokens)
+    once on the warm-up prompt, then on each fresh prompt; one JSON line per call, then the medians."""
+    prompt, n_out = latency_request(WARMUP_SEED, args.smoke)
+    t = time.perf_counter()
+    stream(prompt, n_out)
+    print(f"[latency] warm-up (seed {WARMUP_SEED}) took {time.perf_counter() - t:.2f} s", flush=True)
+    figures = []
+    for seed in latency_seeds(args):
+        prompt, n_out = latency_request(seed, args.smoke)
+        start, times, tokens = stream(prompt, n_out)
+        fig = latency_figure(ident, seed, start, times, n_out, args.smoke)
+        if args.smoke:
+            fig["tokens"] = tokens
+        emit(fig)
+        figures.append(fig)
+    emit_median(figures, ("ttft_ms", "mean_itl_ms", "peak_rss_gb"))
+    return figures

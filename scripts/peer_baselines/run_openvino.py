@@ -97,21 +97,7 @@ def run_offline(pipe, args, ident: dict) -> list[dict]:
 
 def run_latency(pipe, args, ident: dict) -> list[dict]:
     stream = Streamer(pipe)
-    prompt, n_out = common.latency_request(common.WARMUP_SEED, args.smoke)
-    t = time.perf_counter()
-    stream(prompt, n_out)
-    print(f"[latency] warm-up (seed {common.WARMUP_SEED}) took {time.perf_counter() - t:.2f} s", flush=True)
-    figures = []
-    for seed in common.latency_seeds(args):
-        prompt, n_out = common.latency_request(seed, args.smoke)
-        start, times, tokens = stream(prompt, n_out)
-        fig = common.latency_figure(ident, seed, start, times, n_out, args.smoke)
-        if args.smoke:
-            fig["tokens"] = tokens
-        common.emit(fig)
-        figures.append(fig)
-    common.emit_median(figures, ("ttft_ms", "mean_itl_ms", "peak_rss_gb"))
-    return figures
+    return common.time_latency(stream, args, ident)
 
 
 def main() -> None:

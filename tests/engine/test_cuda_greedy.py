@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from tests.conftest import assert_greedy_match, save_tiny_llama, shared_prefix_prompts
+from tests.conftest import check_greedy_run, save_tiny_llama, shared_prefix_prompts
 from tests.engine.cuda_reference import greedy_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check runs it)")
@@ -31,29 +31,19 @@ def case(tmp_path_factory):
     return path, prompts, greedy_reference(path, prompts, MAX_TOKENS)
 
 
-def _check(llm: LLM, prompts, refs, label: str, indices=None) -> None:
-    indices = list(range(len(prompts))) if indices is None else indices
-    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in indices], PARAMS, use_tqdm=False)
-    for i, out in zip(indices, outs):
-        assert_greedy_match(out.outputs[0].token_ids, *refs[i], f"{label} prompt {i}")
-    kv = llm.engine.kv_cache_manager
-    llm.engine.check_integrity()
-    assert kv.num_free_blocks == kv.num_blocks
-
-
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
 def test_batched_and_alone_equal_the_cpu_reference(case, eager):
     path, prompts, refs = case
     llm = LLM(path, dtype="float32", enforce_eager=eager, **GPU)
     assert (llm.engine.runner.decode_graphs is None) == eager
-    _check(llm, prompts, refs, "batched")
+    check_greedy_run(llm, prompts, refs, PARAMS, "batched")
     for i in (0, 5, len(prompts) - 1):
-        _check(llm, prompts, refs, "alone", [i])
+        check_greedy_run(llm, prompts, refs, PARAMS, "alone", [i])
 
 
 def test_chunked_prefill_equals_the_cpu_reference(case):
     path, prompts, refs = case
-    _check(LLM(path, dtype="float32", max_num_batched_tokens=19, **GPU), prompts, refs, "chunked")
+    check_greedy_run(LLM(path, dtype="float32", max_num_batched_tokens=19, **GPU), prompts, refs, PARAMS, "chunked")
 
 
 def test_bf16_runs_and_returns_every_block(case):

@@ -1,24 +1,28 @@
-// Weight-only quantized GEMM with bf16 activations on AVX512-BF16:
-//     y[M, N] = x[M, K] @ bf16(dequant(W))^T (+ bias)
-// exactly what the bf16 GEMM (gemm.cpp) computes on the weight dequantized in float32 and
-// rounded to bf16 (vcvtne2ps2bf16 reads a denormal float32 weight, below 1.2e-38, as zero where
-// torch would round it; no real scale comes near that): the same tiles, the same vdpbf16ps chains, the same stores. A quantized bf16
-// model is therefore bit for bit the bf16 model whose weights are the quantized ones.
+// Weight-only quantized GEMM with bf16 activations on AVX512-BF16.
+//
+// 8-bit weights: y[M, N] = x[M, K] @ bf16(dequant(W))^T (+ bias), exactly what the bf16 GEMM
+// (gemm.cpp) computes on the weight dequantized in float32 and rounded to bf16 (vcvtne2ps2bf16
+// reads a denormal float32 weight, below 1.2e-38, as zero where torch would round it; no real
+// scale comes near that): the same tiles, the same vdpbf16ps chains, the same stores. An int8
+// bf16 model is therefore bit for bit the bf16 model whose weights are the quantized ones.
+// 4-bit weights run quant_int4_bf16.h, which skips the rounding of weights to bf16 (see there).
 //
 // Why not quant_gemm.cpp's float32 dot products: on AVX512-BF16 CPUs the bf16 GEMM runs at twice
 // their arithmetic rate, and a decode step is only memory-bound if the dequantization keeps up.
 // Here each thread dequantizes its chunk of 32 output columns (kNT tiles) into a bf16 tile in
 // L1/L2, once per call, and every row block of x then runs the bf16 microkernel over it: prefill
-// pays the dequantization once per weight (not once per token), decode streams 1 or 0.5 bytes
-// per weight instead of 2.
+// pays the dequantization once per weight (not once per token), decode streams 1 byte per weight
+// instead of 2.
 //
 // Weights are packed once at load (kvflow_pack_quant_tiles, from QuantizedWeight's row layout)
 // into the bf16 GEMM's tile order, one k pair of 16 columns per step:
 //   q        [tiles][K / 2][32 elements], element e = 2 * column + (k & 1) as vdpbf16ps pairs them;
 //            bits 8: one int8 per element (32 bytes a step);
-//            bits 4: 16 bytes a step, byte i = element i (low nibble) | element 16 + i (high);
+//            bits 4: 32 bytes per two steps, byte e = step 2b's element e (low nibble) | step
+//            2b + 1's (high nibble);
 //   scales   [tiles][K / group][16] float32, one per column (zero past N);
-//   offsets  the same, or null: w = q * scale + offset, a product then a sum, each rounded.
+//   offsets  the same, or null: w = q * scale + offset, a product then a sum, each rounded;
+//            bits 4 always has them, stored as offset - 128 * scale (quant_int4_bf16.h).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +30,7 @@
 
 #include "gemm_blocking.h"
 #include "microkernel.h"
+#include "quant_int4_bf16.h"
 
 // The dequantization is q * s, then + o, rounded twice (as QuantizedWeight.dequantize and torch
 // compute it), so the two must not be contracted into an FMA. GCC contracts plain vector
@@ -43,7 +48,7 @@ namespace {
 using kvflow::kNT;
 using kvflow::kTileCols;
 
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the quant stream dequant_tile reads
+constexpr int64_t kPrefetchBytes = kvflow::int4::kPrefetchBytes;  // into L2, as there (measured the same way)
 
 struct QuantTiles {
     int bits;
@@ -68,7 +73,7 @@ inline int row_value(int bits, const uint8_t* q, int64_t k, int64_t col, int64_t
 // One tile's weights, dequantized a k-pair step at a time into a vector of 32 bf16 (16 columns x
 // 2 inputs, vdpbf16ps's operand). `group(g)` loads group g's scales and offsets, spread so that
 // element e gets column e / 2's (lanes 0-15 are columns 0-7, lanes 16-31 columns 8-15).
-template <int Bits, bool Offsets>
+template <bool Offsets>
 struct TileDequant {
     const uint8_t* q;
     const float* s;
@@ -94,21 +99,13 @@ struct TileDequant {
     }
 
     inline __m512i step(int64_t p) const {
-        constexpr int64_t kStep = Bits == 8 ? 32 : 16;
+        constexpr int64_t kStep = 32;
         // The quants are one stream over the whole weight (tiles lie back to back): ask for it
-        // 4 KiB ahead, or each step waits on its load (measured: most of a decode's time).
+        // 16 KiB ahead, or each step waits on its load (measured: most of a decode's time).
         if ((p * kStep) % 64 == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(q + p * kStep + kPrefetchBytes), _MM_HINT_T0);
-        __m512i lo, hi;
-        if constexpr (Bits == 8) {
-            const __m128i* src = reinterpret_cast<const __m128i*>(q + p * kStep);
-            lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(src));
-            hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1));
-        } else {
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * kStep)));
-            lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
-            hi = _mm512_srli_epi32(bytes, 4);
-        }
+            _mm_prefetch(reinterpret_cast<const char*>(q + p * kStep + kPrefetchBytes), _MM_HINT_T1);
+        const __m128i* src = reinterpret_cast<const __m128i*>(q + p * kStep);
+        const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(src)), hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1));
         __m512 f_lo = KVFLOW_MUL_ROUNDED(_mm512_cvtepi32_ps(lo), s_lo),
                f_hi = KVFLOW_MUL_ROUNDED(_mm512_cvtepi32_ps(hi), s_hi);
         if constexpr (Offsets) {
@@ -120,9 +117,9 @@ struct TileDequant {
 };
 
 // Dequantize one tile (16 columns x K) into the bf16 GEMM's packed tile [K/2][16][2].
-template <int Bits, bool Offsets>
+template <bool Offsets>
 void dequant_tile(const QuantTiles& w, int64_t tile, uint16_t* out) {
-    TileDequant<Bits, Offsets> d(w, tile);
+    TileDequant<Offsets> d(w, tile);
     const int64_t steps_per_group = w.group / 2;
     for (int64_t g = 0; g < w.groups(); ++g) {
         d.group(g);
@@ -134,10 +131,10 @@ void dequant_tile(const QuantTiles& w, int64_t tile, uint16_t* out) {
 // Decode rows (R <= kFusedRows) against one full chunk: the kNT tiles dequantized in registers
 // and multiplied at once, never stored. Each output is the same chain of vdpbf16ps over the same
 // bf16 weights in the same order as dpbf16_block's, so the bits are the tile path's.
-template <int Bits, bool Offsets, int R, typename Store>
+template <bool Offsets, int R, typename Store>
 void fused_rows(const QuantTiles& w, int64_t tile0, const uint16_t* x, int64_t x_stride, Store& store) {
     static_assert(kNT == 2, "two tiles per chunk");
-    TileDequant<Bits, Offsets> d0(w, tile0), d1(w, tile0 + 1);
+    TileDequant<Offsets> d0(w, tile0), d1(w, tile0 + 1);
     __m512 acc[R][kNT];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t steps_per_group = w.group / 2;
@@ -162,7 +159,7 @@ void fused_rows(const QuantTiles& w, int64_t tile0, const uint16_t* x, int64_t x
 constexpr int64_t kFusedRows = 8;  // up to this many rows skip the stored tile (8 x 2 accumulators fit)
 
 // Out: bf16 (bias bf16) or float32 (bias float32): StoreRow<BF16> / StoreRow<F32>.
-template <typename Out, int Bits, bool Offsets>
+template <typename Out, bool Offsets>
 int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTiles& w, int64_t n,
                     const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     using M = kvflow::Micro<kvflow::BF16>;
@@ -186,7 +183,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
                 kvflow::StoreRow<Out> store{y, y_stride, n0, n, bias};
                 kvflow::with_block_rows(m, [&](auto rows) {
                     if constexpr (decltype(rows)::value <= kFusedRows)
-                        fused_rows<Bits, Offsets, decltype(rows)::value>(w, tile0, x, x_stride, store);
+                        fused_rows<Offsets, decltype(rows)::value>(w, tile0, x, x_stride, store);
                 });
                 continue;
             }
@@ -202,7 +199,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
                     continue;
                 }
             }
-            for (int64_t t = 0; t < (full ? kNT : 1); ++t) dequant_tile<Bits, Offsets>(w, tile0 + t, buffer + t * tile_stride);
+            for (int64_t t = 0; t < (full ? kNT : 1); ++t) dequant_tile<Offsets>(w, tile0 + t, buffer + t * tile_stride);
             kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
                 kvflow::StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
                 if (full)
@@ -220,11 +217,13 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
 template <typename Out>
 int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTiles& w, int64_t n,
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
-    if (w.bits == 8)
-        return w.offsets ? quant_gemm_bf16<Out, 8, true>(x, m, x_stride, w, n, bias, y, y_stride)
-                         : quant_gemm_bf16<Out, 8, false>(x, m, x_stride, w, n, bias, y, y_stride);
-    return w.offsets ? quant_gemm_bf16<Out, 4, true>(x, m, x_stride, w, n, bias, y, y_stride)
-                     : quant_gemm_bf16<Out, 4, false>(x, m, x_stride, w, n, bias, y, y_stride);
+    if (w.bits == 4) {
+        if (w.offsets == nullptr) return -1;  // 4-bit tiles always carry o' = o - 128 s
+        const kvflow::int4::Weight w4{w.q, w.scales, w.offsets, w.group, w.k};
+        return kvflow::int4::gemm<Out>(x, m, x_stride, w4, n, bias, y, y_stride);
+    }
+    return w.offsets ? quant_gemm_bf16<Out, true>(x, m, x_stride, w, n, bias, y, y_stride)
+                     : quant_gemm_bf16<Out, false>(x, m, x_stride, w, n, bias, y, y_stride);
 }
 #endif
 
@@ -246,34 +245,38 @@ int64_t kvflow_quant_tiles_bytes(int bits, int64_t n, int64_t k) {
 }
 
 // Row-major QuantizedWeight (q [N][K] int8 or [N][K/2] GGUF-order nibbles, scales/offsets
-// [N][K / group]) -> the tile layout above. Plain C++: runs on every machine. Returns -1 for
-// a layout it does not take (K odd, a group not a whole number of k pairs or not dividing K).
+// [N][K / group]) -> the tile layout above (bits 4: offsets_out is required and receives
+// offset - 128 * scale). Plain C++: runs on every machine. Returns -1 for a layout it does not
+// take (K odd, a group not a whole number of k pairs or not dividing K; bits 4: K not a
+// multiple of 32 or a group not of 16).
 int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
                             int64_t n, int64_t k, uint8_t* q_out, float* scales_out, float* offsets_out) {
     if ((bits != 8 && bits != 4) || k % 2 != 0 || group <= 0 || group % 2 != 0 || k % group != 0 ||
-        (bits == 4 && k % 32 != 0))
+        (bits == 4 && (k % 32 != 0 || group % 16 != 0 || offsets_out == nullptr)))
         return -1;
-    const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / group, step_bytes = bits == 8 ? 32 : 16;
+    const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / group;
 #pragma omp parallel for
     for (int64_t tile = 0; tile < tiles; ++tile) {
-        uint8_t* dst = q_out + tile * (k / 2) * step_bytes;
-        for (int64_t p = 0; p < k / 2; ++p) {
-            uint8_t* step = dst + p * step_bytes;
-            std::memset(step, 0, static_cast<size_t>(step_bytes));
-            for (int64_t e = 0; e < 32; ++e) {
-                const int64_t col = tile * kTileCols + e / 2, i = 2 * p + e % 2;
-                const int v = col < n ? row_value(bits, q, k, col, i) : 0;
-                if (bits == 8)
-                    step[e] = static_cast<uint8_t>(static_cast<int8_t>(v));
-                else
-                    step[e % 16] |= static_cast<uint8_t>(e < 16 ? v : v << 4);
-            }
+        uint8_t* dst = q_out + tile * (k / 2) * (bits == 8 ? 32 : 16);
+        auto value = [&](int64_t p, int64_t e) {  // element e of k-pair step p
+            const int64_t col = tile * kTileCols + e / 2, i = 2 * p + e % 2;
+            return col < n ? row_value(bits, q, k, col, i) : 0;
+        };
+        if (bits == 8) {
+            for (int64_t p = 0; p < k / 2; ++p)
+                for (int64_t e = 0; e < 32; ++e) dst[p * 32 + e] = static_cast<uint8_t>(static_cast<int8_t>(value(p, e)));
+        } else {
+            for (int64_t b = 0; b < k / 4; ++b)
+                for (int64_t e = 0; e < 32; ++e)
+                    dst[b * 32 + e] = static_cast<uint8_t>(value(2 * b, e) | value(2 * b + 1, e) << 4);
         }
         for (int64_t g = 0; g < groups; ++g)
             for (int64_t lane = 0; lane < kTileCols; ++lane) {
                 const int64_t col = tile * kTileCols + lane, at = (tile * groups + g) * kTileCols + lane;
-                scales_out[at] = col < n ? scales[col * groups + g] : 0.f;
-                if (offsets_out) offsets_out[at] = col < n && offsets ? offsets[col * groups + g] : 0.f;
+                const float scale = col < n ? scales[col * groups + g] : 0.f;
+                const float offset = col < n && offsets ? offsets[col * groups + g] : 0.f;
+                scales_out[at] = scale;
+                if (offsets_out) offsets_out[at] = bits == 4 ? offset - 128.f * scale : offset;
             }
     }
     return 0;

@@ -1,10 +1,16 @@
 """Quantized weights packed for the bf16 GEMM's tiles, and the linear op that runs on them.
 
-On CPUs with AVX512-BF16, a quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp:
-each call dequantizes 32 output columns at a time into a bf16 tile in cache and multiplies it
-with the bf16 GEMM's own microkernel. Its result is bit for bit the bf16 GEMM's on
-`bf16(weight.dequantize())`, so a quantized bf16 model is exactly the bf16 model whose weights
-are the quantized ones; and it is as fast as the bf16 GEMM in prefill while streaming 1 or 0.5
+On CPUs with AVX512-BF16, a quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp,
+in the bf16 GEMM's 16-column tiles:
+- 8-bit weights: each call dequantizes 32 output columns at a time into a bf16 tile in cache
+  and multiplies it with the bf16 GEMM's own microkernel. The result is bit for bit the bf16
+  GEMM's on `bf16(weight.dequantize())`: an int8 bf16 model is exactly the bf16 model whose
+  weights are the quantized ones.
+- 4-bit weights (csrc/quant_int4_bf16.h): the integers themselves are the bf16 operands
+  (128 + q, exact) and each group's sum is scaled and offset in float32, so no weight is
+  rounded to bf16: sum_k x * (q * s + o) up to float32 rounding. That takes 2 vector operations
+  per 32 weights instead of ~11, which is what lets a 4-bit decode step run at memory speed.
+Both are batch-invariant and as fast as the bf16 GEMM in prefill while streaming 1 or 0.5
 bytes per weight in decode. quant_gemm.cpp (row layout, float32 dot products) stays the path for
 float32 activations and for CPUs without AVX512-BF16.
 
@@ -33,7 +39,7 @@ class QuantTiles:
 
     q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)]
     scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16]
-    offsets: torch.Tensor | None
+    offsets: torch.Tensor | None  # 4 bits: always, as offset - 128 * scale (csrc/quant_int4_bf16.h)
     bits: int
     group_size: int
     in_features: int
@@ -74,7 +80,7 @@ def supports(weight: QuantizedWeight) -> bool:
     """Layouts the tile packing takes: whole k pairs per group (every format kvflow reads)."""
     k = weight.in_features
     return (weight.bits in (4, 8) and k % 2 == 0 and weight.group_size % 2 == 0 and k % weight.group_size == 0
-            and (weight.bits == 8 or k % 32 == 0))
+            and (weight.bits == 8 or (k % 32 == 0 and weight.group_size % 16 == 0)))
 
 
 def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
@@ -89,7 +95,7 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
     q = torch.empty(lib.kvflow_quant_tiles_bytes(weight.bits, n, k), dtype=torch.uint8)
     groups = k // weight.group_size
     scales = torch.empty(tiles, groups, TILE_COLS, dtype=torch.float32)
-    offsets = None if weight.offsets is None else torch.empty_like(scales)
+    offsets = None if weight.offsets is None and weight.bits == 8 else torch.empty_like(scales)
     src_q, src_scales = weight.qweight.contiguous(), weight.scales.float().contiguous()  # held across the call
     src_offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
     rc = lib.kvflow_pack_quant_tiles(weight.bits, src_q.data_ptr(), src_scales.data_ptr(),
@@ -101,7 +107,8 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
 
 def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bool = False,
             lib: ctypes.CDLL | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """y = x @ bf16(dequant(W))^T (+ bias) for bf16 x [M, K], everything but x bound once (a decode
+    """y = x @ dequant(W)^T (+ bias) for bf16 x [M, K] (8 bits: on bf16(dequant(W)), see the module
+    docstring), everything but x bound once (a decode
     step makes ~120 such calls). The bias is rounded to bf16, as the bf16 model's is; with
     `float32_out` the output is the float32 accumulator (the LM head's logits)."""
     lib = lib or _library()

@@ -1,8 +1,11 @@
-"""Quantized weights in the bf16 GEMM's tiles (csrc/quant_gemm_bf16.cpp, quantization/tiles.py).
+"""Quantized weights in the bf16 GEMM's tiles (csrc/quant_gemm_bf16.cpp, quant_int4_bf16.h, quantization/tiles.py).
 
-The kernel's definition is "the bf16 GEMM on bf16(weight.dequantize())", so each case compares it
-bit for bit with kvflow's own bf16 GEMM on that weight. On CPUs without AVX512-BF16 both run in
-the SIMDe-emulated build (csrc/isa.h), so every CI machine checks the numerics.
+8-bit tiles are defined as "the bf16 GEMM on bf16(weight.dequantize())", so each case compares
+them bit for bit with kvflow's own bf16 GEMM on that weight. 4-bit tiles multiply by the
+dequantized weight itself (no bf16 rounding of weights), summed group by group in float32: they
+are compared with a float64 product within float32 accumulation error, and their rows must not
+depend on the rows beside them. On CPUs without AVX512-BF16 the kernels run in the SIMDe-emulated
+build (csrc/isa.h), so every CI machine checks the numerics.
 """
 
 from __future__ import annotations
@@ -26,47 +29,67 @@ def lib(kernels):
 def _weights(n: int, k: int, seed: int) -> list[QuantizedWeight]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
     return [methods.quantize_int8(w), methods.quantize_int8(w, 32), methods.quantize_int4(w, 32),
-            methods.quantize_int4(w, 64)]
+            methods.quantize_int4(w, 64), methods.quantize_int4(w, 16)]
+
+
+def _check_int4(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> None:
+    """float32 logits within float32 accumulation error of the float64 product with the
+    dequantized weight; the bf16 outputs are those logits (+ the bf16 bias) rounded once."""
+    logits = op_f32(x)
+    w = qw.dequantize().double()
+    ref, size = x.double() @ w.T, x.double().abs() @ w.abs().T
+    assert ((logits.double() - ref).abs() <= 1e-5 * size + 1e-30).all(), qw.source
+    assert torch.equal(op_bf16(x), logits.to(torch.bfloat16))
+    assert torch.equal(op_bias(x), (logits + bias.to(torch.bfloat16).float()).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("n,k,m", [(50, 128, 1), (40, 128, 3), (64, 192, 7), (96, 64, 8), (200, 64, 13), (40, 256, 70)])
-def test_tiles_equal_the_bf16_gemm_on_the_dequantized_weight(lib, n, k, m):
+def test_tiles_equal_their_definition(lib, n, k, m):
     kernels, tile_lib = lib
     g = torch.Generator().manual_seed(n * k + m)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
     for qw in _weights(n, k, seed=m):
-        packed = kernels.pack_weight(qw.dequantize(torch.float32).to(torch.bfloat16))
         t = tiles.pack(qw, lib=tile_lib)
-        assert torch.equal(tiles.prepare(t, lib=tile_lib)(x), kernels.gemm(x, packed, n)), qw.source
-        assert torch.equal(tiles.prepare(t, bias, lib=tile_lib)(x),
-                           kernels.gemm(x, packed, n, bias.to(torch.bfloat16))), f"{qw.source} with a bias"
-        logits = tiles.prepare(t, float32_out=True, lib=tile_lib)(x)
+        op_f32 = tiles.prepare(t, float32_out=True, lib=tile_lib)
+        op_bf16, op_bias = tiles.prepare(t, lib=tile_lib), tiles.prepare(t, bias, lib=tile_lib)
+        if qw.bits == 4:
+            _check_int4(op_f32, op_bf16, op_bias, qw, x, bias)
+            continue
+        packed = kernels.pack_weight(qw.dequantize(torch.float32).to(torch.bfloat16))
+        assert torch.equal(op_bf16(x), kernels.gemm(x, packed, n)), qw.source
+        assert torch.equal(op_bias(x), kernels.gemm(x, packed, n, bias.to(torch.bfloat16))), f"{qw.source} with a bias"
+        logits = op_f32(x)
         assert logits.dtype == torch.float32
         assert torch.equal(logits.to(torch.bfloat16), kernels.gemm(x, packed, n))  # the unrounded accumulator
 
 
-def test_tiles_are_batch_invariant(lib):
-    """A row's output does not depend on the rows beside it (1 row, 12-row blocks, 8-row blocks)."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_tiles_are_batch_invariant(lib, method):
+    """A row's output does not depend on the rows beside it: one row, the in-register decode
+    rows (up to 8), 12-row and 8-row blocks of a stored tile, and a partial last tile."""
     _, tile_lib = lib
-    qw = methods.quantize_int4(torch.randn(96, 128, generator=torch.Generator().manual_seed(1)), 32)
-    op = tiles.prepare(tiles.pack(qw, lib=tile_lib), lib=tile_lib)
+    w = torch.randn(104, 128, generator=torch.Generator().manual_seed(1))
+    qw = methods.quantize_int4(w, 32) if method == "int4" else methods.quantize_int8(w)
+    op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
     x = torch.randn(80, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     whole = op(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 15), slice(10, 80)):
-        assert torch.equal(op(x[rows].contiguous()), whole[rows])
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(3, 12), slice(3, 15), slice(10, 80)):
+        assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
 
 
 def test_tiles_pack_a_gguf_q4_1_layout(lib):
     """4-bit values in GGUF's nibble order with Q4_1's minimum as the offset, as shipped."""
-    kernels, tile_lib = lib
+    _, tile_lib = lib
     g = torch.Generator().manual_seed(7)
     q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
     qw = QuantizedWeight(methods.pack_int4(q), torch.rand(48, 2, generator=g) * 0.05,
                          -torch.rand(48, 2, generator=g) * 0.3, 4, 32, 64, "gguf:Q4_1")
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    ref = kernels.gemm(x, kernels.pack_weight(qw.dequantize().to(torch.bfloat16)), 48)
-    assert torch.equal(tiles.prepare(tiles.pack(qw, lib=tile_lib), lib=tile_lib)(x), ref)
+    bias = torch.randn(48, generator=g)
+    t = tiles.pack(qw, lib=tile_lib)
+    _check_int4(tiles.prepare(t, float32_out=True, lib=tile_lib), tiles.prepare(t, lib=tile_lib),
+                tiles.prepare(t, bias, lib=tile_lib), qw, x, bias)
 
 
 def test_tiles_refuse_what_they_cannot_pack(lib):

@@ -1,65 +1,46 @@
-// Weight-only quantized GEMM with bf16 activations on AVX512-BF16.
+// Weight-only quantized GEMM with bf16 activations on AVX512-BF16:
 //
-// 8-bit weights: y[M, N] = x[M, K] @ bf16(dequant(W))^T (+ bias), exactly what the bf16 GEMM
-// (gemm.cpp) computes on the weight dequantized in float32 and rounded to bf16 (vcvtne2ps2bf16
-// reads a denormal float32 weight, below 1.2e-38, as zero where torch would round it; no real
-// scale comes near that): the same tiles, the same vdpbf16ps chains, the same stores. An int8
-// bf16 model is therefore bit for bit the bf16 model whose weights are the quantized ones.
-// 4-bit weights run quant_int4_bf16.h, which skips the rounding of weights to bf16 (see there).
+//     y[m, n] = sum over groups g of  s[g, n] * A[m, g, n] + o'[g, n] * X[m, g]   (+ bias)
+//     A[m, g, n] = sum_{k in g} x[m, k] * v[k, n]     vdpbf16ps chains, float32
+//     X[m, g]    = sum_{k in g} x[m, k]               float32 (group_sum), only with offsets
 //
-// Why not quant_gemm.cpp's float32 dot products: on AVX512-BF16 CPUs the bf16 GEMM runs at twice
-// their arithmetic rate, and a decode step is only memory-bound if the dequantization keeps up.
-// Here each thread dequantizes its chunk of 32 output columns (kNT tiles) into a bf16 tile in
-// L1/L2, once per call, and every row block of x then runs the bf16 microkernel over it: prefill
-// pays the dequantization once per weight (not once per token), decode streams 1 byte per weight
-// instead of 2.
+// which is sum_k x[m, k] * (q[k, n] * s + o) in float32, group by group: the weights are the
+// exact dequantized ones, never rounded to bf16. v is the integer as a bf16 (exact: 8 bits fit
+// its significand): for int8, v = q and o' = o; for 4 bits, v = 128 + q, whose bf16 bits are
+// 0x4300 | q, and o' = o - 128 s (made at pack time). So a 4-bit weight becomes vdpbf16ps's
+// operand in one bitwise operation and an int8 one in 2.5 (sign-extend, convert, pack), where
+// dequantizing it in float32 and rounding it to bf16 (this kernel's first version) took ~11 and
+// ~7: that made decode compute-bound, no faster than bf16 for 4 bits. The cost is the group's
+// scale and offset, two FMAs per 16 columns and group: ~12 % more FMA work than the bf16 GEMM
+// at groups of 32, nothing at one group per row (kvflow's int8).
+//
+// Every row's result is the same chain of operations whatever M is and whichever path runs it
+// (quants unpacked in registers for up to kRegisterRows rows, or unpacked once per call into a
+// tile in L1/L2 that every row block then reads): batch-invariant.
+//
+// Why not quant_gemm.cpp's float32 dot products: on AVX512-BF16 CPUs vdpbf16ps does twice their
+// arithmetic per instruction, and a decode step is only memory-bound if the unpacking keeps up.
 //
 // Weights are packed once at load (kvflow_pack_quant_tiles, from QuantizedWeight's row layout)
-// into the bf16 GEMM's tile order, one k pair of 16 columns per step:
-//   q        [tiles][K / 2][32 elements], element e = 2 * column + (k & 1) as vdpbf16ps pairs them;
-//            bits 8: one int8 per element (32 bytes a step);
-//            bits 4: 32 bytes per two steps, byte e = step 2b's element e (low nibble) | step
+// into the bf16 GEMM's tile order (gemm_blocking.h), 16 columns a tile, k in pairs:
+//   q        [tiles][...], element e = 2 * column + (k & 1) of a k-pair step as vdpbf16ps pairs them;
+//            bits 8: 32 bytes a step, one int8 per element;
+//            bits 4: 32 bytes per two steps: byte e = step 2b's element e (low nibble) | step
 //            2b + 1's (high nibble);
 //   scales   [tiles][K / group][16] float32, one per column (zero past N);
-//   offsets  the same, or null: w = q * scale + offset, a product then a sum, each rounded;
-//            bits 4 always has them, stored as offset - 128 * scale (quant_int4_bf16.h).
+//   offsets  the same as o' (above), or null for none (bits 8 only).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 
 #include "gemm_blocking.h"
-#include "microkernel.h"
-#include "quant_int4_bf16.h"
-
-// The dequantization is q * s, then + o, rounded twice (as QuantizedWeight.dequantize and torch
-// compute it), so the two must not be contracted into an FMA. GCC contracts plain vector
-// arithmetic under its default -ffp-contract=fast, but never an explicitly rounded product; a
-// file-wide `#pragma GCC optimize` would do it too, but it also stops the microkernel from
-// being inlined here. The emulated build (-ffp-contract=off) takes the plain product.
-#if defined(KVFLOW_SIMDE)
-#define KVFLOW_MUL_ROUNDED(a, b) _mm512_mul_ps(a, b)
-#else
-#define KVFLOW_MUL_ROUNDED(a, b) _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#endif
 
 namespace {
 
 using kvflow::kNT;
 using kvflow::kTileCols;
-
-constexpr int64_t kPrefetchBytes = kvflow::int4::kPrefetchBytes;  // into L2, as there (measured the same way)
-
-struct QuantTiles {
-    int bits;
-    const uint8_t* q;
-    const float* scales;
-    const float* offsets;  // may be null: zero
-    int64_t group, k;
-    int64_t step_bytes() const { return bits == 8 ? 32 : 16; }
-    int64_t tile_bytes() const { return k / 2 * step_bytes(); }
-    int64_t groups() const { return k / group; }
-};
 
 // The value of element e (column e / 2, input 2p + e % 2) of k-pair step p in a row-major
 // QuantizedWeight row layout (bits 4: 32-input blocks of 16 bytes, input j low, 16 + j high).
@@ -69,108 +50,174 @@ inline int row_value(int bits, const uint8_t* q, int64_t k, int64_t col, int64_t
     return (i % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
 }
 
+inline int64_t tile_bytes(int bits, int64_t k) { return k * kTileCols * bits / 8; }
+
 #if defined(KVFLOW_AVX512BF16)
-// One tile's weights, dequantized a k-pair step at a time into a vector of 32 bf16 (16 columns x
-// 2 inputs, vdpbf16ps's operand). `group(g)` loads group g's scales and offsets, spread so that
-// element e gets column e / 2's (lanes 0-15 are columns 0-7, lanes 16-31 columns 8-15).
-template <bool Offsets>
-struct TileDequant {
-    const uint8_t* q;
-    const float* s;
-    const float* o;
-    __m512 s_lo, s_hi, o_lo, o_hi;
+// How far ahead in the quant stream to ask for it, into L2: measured at one row, single thread,
+// 4-bit 3072 x 576 streamed from memory: 4 KiB into L1 (the bf16 GEMM's setting) 83-120 us,
+// 8-32 KiB into L2 54-75 us (the bandwidth the bf16 GEMM gets). A quantized block is more work
+// per byte than a bf16 step, so fewer lines are in flight without the hint.
+constexpr int64_t kPrefetchBytes = 16384;
+constexpr int64_t kRegisterRows = 8;  // up to this many rows unpack the quants in registers
 
-    TileDequant(const QuantTiles& w, int64_t tile)
-        : q(w.q + tile * w.tile_bytes()), s(w.scales + tile * w.groups() * 16),
-          o(Offsets ? w.offsets + tile * w.groups() * 16 : nullptr) {}
+// Two k-pair steps (2b, 2b + 1) of one tile as vdpbf16ps operands; kBytes of quants.
+template <int Bits>
+struct Unpack;
 
-    inline void group(int64_t g) {
-        alignas(64) static constexpr int32_t kLow[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-        alignas(64) static constexpr int32_t kHigh[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-        const __m512i low_cols = _mm512_load_si512(kLow), high_cols = _mm512_load_si512(kHigh);
-        const __m512 sg = _mm512_loadu_ps(s + g * 16);
-        s_lo = _mm512_permutexvar_ps(low_cols, sg);
-        s_hi = _mm512_permutexvar_ps(high_cols, sg);
-        if constexpr (Offsets) {
-            const __m512 og = _mm512_loadu_ps(o + g * 16);
-            o_lo = _mm512_permutexvar_ps(low_cols, og);
-            o_hi = _mm512_permutexvar_ps(high_cols, og);
-        }
-    }
-
-    inline __m512i step(int64_t p) const {
-        constexpr int64_t kStep = 32;
-        // The quants are one stream over the whole weight (tiles lie back to back): ask for it
-        // 16 KiB ahead, or each step waits on its load (measured: most of a decode's time).
-        if ((p * kStep) % 64 == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(q + p * kStep + kPrefetchBytes), _MM_HINT_T1);
-        const __m128i* src = reinterpret_cast<const __m128i*>(q + p * kStep);
-        const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(src)), hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1));
-        __m512 f_lo = KVFLOW_MUL_ROUNDED(_mm512_cvtepi32_ps(lo), s_lo),
-               f_hi = KVFLOW_MUL_ROUNDED(_mm512_cvtepi32_ps(hi), s_hi);
-        if constexpr (Offsets) {
-            f_lo = _mm512_add_ps(f_lo, o_lo);
-            f_hi = _mm512_add_ps(f_hi, o_hi);
-        }
-        return (__m512i)_mm512_cvtne2ps_pbh(f_hi, f_lo);  // f_lo's 16 values first
+template <>
+struct Unpack<4> {
+    static constexpr int64_t kBytes = 32;
+    static inline void block(const uint8_t* src, __m512i& even, __m512i& odd) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+        even = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x000F), bf16_128, 0xEA);  // (a & b) | c
+        odd = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
     }
 };
 
-// Dequantize one tile (16 columns x K) into the bf16 GEMM's packed tile [K/2][16][2].
-template <bool Offsets>
-void dequant_tile(const QuantTiles& w, int64_t tile, uint16_t* out) {
-    TileDequant<Offsets> d(w, tile);
-    const int64_t steps_per_group = w.group / 2;
-    for (int64_t g = 0; g < w.groups(); ++g) {
-        d.group(g);
-        for (int64_t p = g * steps_per_group; p < (g + 1) * steps_per_group; ++p)
-            _mm512_storeu_si512(out + p * 32, d.step(p));
+template <>
+struct Unpack<8> {
+    static constexpr int64_t kBytes = 64;
+    static inline __m512i step(const __m128i* src) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128; lo's 16 values first
+    }
+    static inline void block(const uint8_t* src, __m512i& even, __m512i& odd) {
+        even = step(reinterpret_cast<const __m128i*>(src));
+        odd = step(reinterpret_cast<const __m128i*>(src + 32));
+    }
+};
+
+// Where a block's operands come from: the packed quants (decode rows) ...
+template <int Bits>
+struct PackedQuants {
+    const uint8_t* q;  // the chunk's first tile
+    int64_t tile_bytes;
+    inline void block(int j, int64_t b, __m512i& even, __m512i& odd) const {
+        const uint8_t* src = q + j * tile_bytes + b * Unpack<Bits>::kBytes;
+        // One stream over the whole weight (tiles lie back to back): a hint per 64 bytes.
+        if (Bits == 8 || (b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T1);
+        Unpack<Bits>::block(src, even, odd);
+    }
+};
+
+// ... or a tile unpacked once per call into memory (`store_tile`), for prefill-sized M.
+struct StoredTile {
+    const uint16_t* tile;
+    int64_t tile_stride;  // uint16 elements between tiles
+    inline void block(int j, int64_t b, __m512i& even, __m512i& odd) const {
+        const uint16_t* src = tile + j * tile_stride + b * 64;
+        // Each row block streams the tile from L2 again: into L1 4 KiB ahead, as the bf16 GEMM does.
+        _mm_prefetch(reinterpret_cast<const char*>(src + 2048), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src + 2048 + 32), _MM_HINT_T0);
+        even = _mm512_loadu_si512(src);
+        odd = _mm512_loadu_si512(src + 32);
+    }
+};
+
+template <int Bits>
+void store_tile(const uint8_t* q, int64_t k, uint16_t* out) {
+    for (int64_t b = 0; b < k / 4; ++b) {
+        __m512i even, odd;
+        Unpack<Bits>::block(q + b * Unpack<Bits>::kBytes, even, odd);
+        _mm512_storeu_si512(out + b * 64, even);
+        _mm512_storeu_si512(out + b * 64 + 32, odd);
     }
 }
 
-// Decode rows (R <= kFusedRows) against one full chunk: the kNT tiles dequantized in registers
-// and multiplied at once, never stored. Each output is the same chain of vdpbf16ps over the same
-// bf16 weights in the same order as dpbf16_block's, so the bits are the tile path's.
-template <bool Offsets, int R, typename Store>
-void fused_rows(const QuantTiles& w, int64_t tile0, const uint16_t* x, int64_t x_stride, Store& store) {
-    static_assert(kNT == 2, "two tiles per chunk");
-    TileDequant<Offsets> d0(w, tile0), d1(w, tile0 + 1);
-    __m512 acc[R][kNT];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t steps_per_group = w.group / 2;
-    for (int64_t g = 0; g < w.groups(); ++g) {
-        d0.group(g);
-        d1.group(g);
-        for (int64_t p = g * steps_per_group; p < (g + 1) * steps_per_group; ++p) {
-            const __m512bh w0 = (__m512bh)d0.step(p), w1 = (__m512bh)d1.step(p);
-            for (int r = 0; r < R; ++r) {
-                int32_t pair;
-                std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
+// X[m, g]: a group's inputs summed in float32, one fixed order for every caller.
+inline float group_sum(const uint16_t* x, int64_t group) {
+    __m512 v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < group; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(kvflow::tail_mask(group - i), x + i));
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+    return _mm512_reduce_add_ps(v);
+}
+
+struct Weight {
+    int bits;
+    const uint8_t* q;
+    const float* scales;   // [tiles][groups][16]
+    const float* offsets;  // o', the same shape, or null
+    int64_t group, k;
+    int64_t groups() const { return k / group; }
+};
+
+// MT rows x NT tiles. `out` accumulates across groups in memory (L1), so that the group's
+// MT x NT vdpbf16ps accumulators keep the registers (12 x 2 at prefill sizes).
+template <int MT, int NT, bool Offsets, typename Source, typename Store>
+inline void grouped_block(const uint16_t* x, int64_t x_stride, const float* xsums, const Weight& w, int64_t tile0,
+                          const Source& src, Store& store) {
+    const int64_t groups = w.groups(), blocks_per_group = w.group / 4;
+    const float* s = w.scales + tile0 * groups * 16;
+    const float* o = Offsets ? w.offsets + tile0 * groups * 16 : nullptr;
+    alignas(64) float out[MT][NT][16] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 acc[MT][NT];
+        for (int m = 0; m < MT; ++m)
+            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+        for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+            __m512i even[NT], odd[NT];
+            for (int j = 0; j < NT; ++j) src.block(j, b, even[j], odd[j]);
+            // Step 2b for every row, then step 2b + 1: each accumulator's chain is even then odd.
+            for (int m = 0; m < MT; ++m) {
+                int32_t pair;  // a 4-byte load: a broadcast from memory
+                std::memcpy(&pair, x + m * x_stride + 4 * b, sizeof(pair));
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+                for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, (__m512bh)even[j]);
+            }
+            for (int m = 0; m < MT; ++m) {
+                int32_t pair;
+                std::memcpy(&pair, x + m * x_stride + 4 * b + 2, sizeof(pair));
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, (__m512bh)odd[j]);
+            }
+        }
+        for (int j = 0; j < NT; ++j) {
+            const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * 16);
+            for (int m = 0; m < MT; ++m) {
+                __m512 v = _mm512_fmadd_ps(acc[m][j], sj, _mm512_load_ps(out[m][j]));
+                if constexpr (Offsets)
+                    v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[m * groups + g]), _mm512_loadu_ps(o + (j * groups + g) * 16), v);
+                _mm512_store_ps(out[m][j], v);
             }
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < kNT; ++j) store(r, j, acc[r][j]);
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) store(m, j, _mm512_load_ps(out[m][j]));
 }
 
-constexpr int64_t kFusedRows = 8;  // up to this many rows skip the stored tile (8 x 2 accumulators fit)
+template <int NT, bool Offsets, typename Source, typename Store>
+inline void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const float* xsums, const Weight& w, int64_t tile0,
+                 const Source& src, Store& store) {
+    kvflow::with_block_rows(rows, [&](auto mt) {
+        grouped_block<decltype(mt)::value, NT, Offsets>(x, x_stride, xsums, w, tile0, src, store);
+    });
+}
 
 // Out: bf16 (bias bf16) or float32 (bias float32): StoreRow<BF16> / StoreRow<F32>.
-template <typename Out, bool Offsets>
-int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTiles& w, int64_t n,
+template <typename Out, int Bits, bool Offsets>
+int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                     const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
-    using M = kvflow::Micro<kvflow::BF16>;
-    const int64_t k = w.k, tile_stride = k * kTileCols;
+    const int64_t groups = w.groups(), tile_stride = w.k * kTileCols, bytes = tile_bytes(Bits, w.k);
+    std::unique_ptr<float[]> xsums(Offsets ? new (std::nothrow) float[static_cast<size_t>(m * groups)] : nullptr);
+    if (Offsets && !xsums) return -3;
     int failed = 0;
 #pragma omp parallel
     {
-        // This thread's dequantized chunk: kNT packed bf16 tiles (not needed for decode rows).
-        uint16_t* tiles = m <= kFusedRows ? nullptr
-                                          : static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(kNT * tile_stride) * 2));
-        if (m > kFusedRows && tiles == nullptr) {
+        if constexpr (Offsets) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t g = 0; g < groups; ++g)
+                    xsums[r * groups + g] = group_sum(x + r * x_stride + g * w.group, w.group);
+            // (the loop's barrier: every row's sums are in place before any chunk reads them)
+        }
+        uint16_t* tiles = m <= kRegisterRows
+                              ? nullptr
+                              : static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(kNT * tile_stride) * 2));
+        if (m > kRegisterRows && tiles == nullptr) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -179,33 +226,25 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
             const bool full = (n - n0 + kTileCols - 1) / kTileCols >= kNT;
-            if (m <= kFusedRows && full) {
+            if (m <= kRegisterRows) {
+                const PackedQuants<Bits> src{w.q + tile0 * bytes, bytes};
                 kvflow::StoreRow<Out> store{y, y_stride, n0, n, bias};
-                kvflow::with_block_rows(m, [&](auto rows) {
-                    if constexpr (decltype(rows)::value <= kFusedRows)
-                        fused_rows<Offsets, decltype(rows)::value>(w, tile0, x, x_stride, store);
-                });
+                if (full)
+                    rows<kNT, Offsets>(m, x, x_stride, xsums.get(), w, tile0, src, store);
+                else
+                    rows<1, Offsets>(m, x, x_stride, xsums.get(), w, tile0, src, store);
                 continue;
             }
-            if (m > kFusedRows && tiles == nullptr) continue;  // out of memory: `failed` is set
-            uint16_t* buffer = tiles;
-            std::unique_ptr<uint16_t, decltype(&std::free)> tail(nullptr, &std::free);
-            if (buffer == nullptr) {  // a decode's last, partial chunk (one tile): its own buffer
-                tail.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(tile_stride) * 2)));
-                buffer = tail.get();
-                if (buffer == nullptr) {
-#pragma omp atomic write
-                    failed = 1;
-                    continue;
-                }
-            }
-            for (int64_t t = 0; t < (full ? kNT : 1); ++t) dequant_tile<Offsets>(w, tile0 + t, buffer + t * tile_stride);
-            kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
+            if (tiles == nullptr) continue;  // out of memory: `failed` is set
+            for (int64_t t = 0; t < (full ? kNT : 1); ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, w.k, tiles + t * tile_stride);
+            const StoredTile src{tiles, tile_stride};
+            kvflow::for_each_row_block(m, [&](int64_t r, int64_t block_rows) {
                 kvflow::StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
+                const float* sums = Offsets ? xsums.get() + r * groups : nullptr;
                 if (full)
-                    M::rows<kNT>(rows, x + r * x_stride, x_stride, buffer, tile_stride, k / 2, store);
+                    rows<kNT, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
                 else
-                    M::rows<1>(rows, x + r * x_stride, x_stride, buffer, tile_stride, k / 2, store);
+                    rows<1, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
             });
         }
         std::free(tiles);
@@ -215,15 +254,12 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
 
 // The instantiation for a weight's format.
 template <typename Out>
-int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTiles& w, int64_t n,
+int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
-    if (w.bits == 4) {
-        if (w.offsets == nullptr) return -1;  // 4-bit tiles always carry o' = o - 128 s
-        const kvflow::int4::Weight w4{w.q, w.scales, w.offsets, w.group, w.k};
-        return kvflow::int4::gemm<Out>(x, m, x_stride, w4, n, bias, y, y_stride);
-    }
-    return w.offsets ? quant_gemm_bf16<Out, true>(x, m, x_stride, w, n, bias, y, y_stride)
-                     : quant_gemm_bf16<Out, false>(x, m, x_stride, w, n, bias, y, y_stride);
+    if (w.bits == 4)  // 4-bit tiles always carry o' = o - 128 s
+        return w.offsets ? quant_gemm_bf16<Out, 4, true>(x, m, x_stride, w, n, bias, y, y_stride) : -1;
+    return w.offsets ? quant_gemm_bf16<Out, 8, true>(x, m, x_stride, w, n, bias, y, y_stride)
+                     : quant_gemm_bf16<Out, 8, false>(x, m, x_stride, w, n, bias, y, y_stride);
 }
 #endif
 
@@ -239,25 +275,24 @@ int kvflow_has_quant_gemm_bf16() {
 #endif
 }
 
-// Bytes of the packed quants: [ceil(N / 16)][K / 2][bits == 8 ? 32 : 16].
+// Bytes of the packed quants: ceil(N / 16) tiles of 16 x K values.
 int64_t kvflow_quant_tiles_bytes(int bits, int64_t n, int64_t k) {
-    return (n + kTileCols - 1) / kTileCols * (k / 2) * (bits == 8 ? 32 : 16);
+    return (n + kTileCols - 1) / kTileCols * tile_bytes(bits, k);
 }
 
 // Row-major QuantizedWeight (q [N][K] int8 or [N][K/2] GGUF-order nibbles, scales/offsets
 // [N][K / group]) -> the tile layout above (bits 4: offsets_out is required and receives
 // offset - 128 * scale). Plain C++: runs on every machine. Returns -1 for a layout it does not
-// take (K odd, a group not a whole number of k pairs or not dividing K; bits 4: K not a
-// multiple of 32 or a group not of 16).
+// take (a group not a multiple of 4 or not dividing K; bits 4: K not a multiple of 32).
 int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
                             int64_t n, int64_t k, uint8_t* q_out, float* scales_out, float* offsets_out) {
-    if ((bits != 8 && bits != 4) || k % 2 != 0 || group <= 0 || group % 2 != 0 || k % group != 0 ||
-        (bits == 4 && (k % 32 != 0 || group % 16 != 0 || offsets_out == nullptr)))
+    if ((bits != 8 && bits != 4) || group <= 0 || group % 4 != 0 || k % group != 0 ||
+        (bits == 4 && (k % 32 != 0 || offsets_out == nullptr)))
         return -1;
     const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / group;
 #pragma omp parallel for
     for (int64_t tile = 0; tile < tiles; ++tile) {
-        uint8_t* dst = q_out + tile * (k / 2) * (bits == 8 ? 32 : 16);
+        uint8_t* dst = q_out + tile * tile_bytes(bits, k);
         auto value = [&](int64_t p, int64_t e) {  // element e of k-pair step p
             const int64_t col = tile * kTileCols + e / 2, i = 2 * p + e % 2;
             return col < n ? row_value(bits, q, k, col, i) : 0;
@@ -289,7 +324,7 @@ int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t 
                            const void* bias, void* y, int64_t y_stride) {
 #if defined(KVFLOW_AVX512BF16)
     if (m == 0) return 0;
-    const QuantTiles w{bits, q, scales, offsets, group, k};
+    const Weight w{bits, q, scales, offsets, group, k};
     if (out_dtype == 1)
         return quant_gemm_bf16_for<kvflow::BF16>(x, m, x_stride, w, n, static_cast<const uint16_t*>(bias),
                                              static_cast<uint16_t*>(y), y_stride);

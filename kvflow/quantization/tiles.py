@@ -1,18 +1,15 @@
-"""Quantized weights packed for the bf16 GEMM's tiles, and the linear op that runs on them.
+"""Quantized weights packed in the bf16 GEMM's tiles, and the linear op that runs on them.
 
-On CPUs with AVX512-BF16, a quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp,
-in the bf16 GEMM's 16-column tiles:
-- 8-bit weights: each call dequantizes 32 output columns at a time into a bf16 tile in cache
-  and multiplies it with the bf16 GEMM's own microkernel. The result is bit for bit the bf16
-  GEMM's on `bf16(weight.dequantize())`: an int8 bf16 model is exactly the bf16 model whose
-  weights are the quantized ones.
-- 4-bit weights (csrc/quant_int4_bf16.h): the integers themselves are the bf16 operands
-  (128 + q, exact) and each group's sum is scaled and offset in float32, so no weight is
-  rounded to bf16: sum_k x * (q * s + o) up to float32 rounding. That takes 2 vector operations
-  per 32 weights instead of ~11, which is what lets a 4-bit decode step run at memory speed.
-Both are batch-invariant and as fast as the bf16 GEMM in prefill while streaming 1 or 0.5
-bytes per weight in decode. quant_gemm.cpp (row layout, float32 dot products) stays the path for
-float32 activations and for CPUs without AVX512-BF16.
+On CPUs with AVX512-BF16, a quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp
+in the bf16 GEMM's 16-column tiles: the integers themselves are vdpbf16ps's bf16 operands
+(exact; a 4-bit q as 128 + q, one bitwise operation from its nibble) and each group's sum is
+scaled and offset in float32. No weight is rounded to bf16, so the result is
+sum_k x * (q * s + o) up to float32 rounding, the same for a row whatever rows share the call.
+Unpacking costs 2 (4-bit) or 2.5 (int8) vector operations per 32 weights, against ~11 and ~7
+for dequantizing to float32 and rounding to bf16, which is what lets a quantized decode step run
+at memory speed; prefill runs at about the bf16 GEMM's rate (two more FMAs per 16 columns and
+group). quant_gemm.cpp (row layout, float32 dot products) stays the path for float32
+activations and for CPUs without AVX512-BF16.
 
 `QuantTiles` is made once at load from a `QuantizedWeight` (the row layout every checkpoint
 format becomes) and replaces it: the row-layout tensors are released, so the weight is held once.
@@ -39,7 +36,7 @@ class QuantTiles:
 
     q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)]
     scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16]
-    offsets: torch.Tensor | None  # 4 bits: always, as offset - 128 * scale (csrc/quant_int4_bf16.h)
+    offsets: torch.Tensor | None  # o' (csrc/quant_gemm_bf16.cpp); 4 bits: always, offset - 128 * scale
     bits: int
     group_size: int
     in_features: int
@@ -77,10 +74,9 @@ def available() -> bool:
 
 
 def supports(weight: QuantizedWeight) -> bool:
-    """Layouts the tile packing takes: whole k pairs per group (every format kvflow reads)."""
-    k = weight.in_features
-    return (weight.bits in (4, 8) and k % 2 == 0 and weight.group_size % 2 == 0 and k % weight.group_size == 0
-            and (weight.bits == 8 or (k % 32 == 0 and weight.group_size % 16 == 0)))
+    """Layouts the tile packing takes: groups of whole k quads (every format kvflow reads)."""
+    k, group = weight.in_features, weight.group_size
+    return weight.bits in (4, 8) and group % 4 == 0 and k % group == 0 and (weight.bits == 8 or k % 32 == 0)
 
 
 def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
@@ -107,8 +103,7 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
 
 def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bool = False,
             lib: ctypes.CDLL | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """y = x @ dequant(W)^T (+ bias) for bf16 x [M, K] (8 bits: on bf16(dequant(W)), see the module
-    docstring), everything but x bound once (a decode
+    """y = x @ dequant(W)^T (+ bias) for bf16 x [M, K], everything but x bound once (a decode
     step makes ~120 such calls). The bias is rounded to bf16, as the bf16 model's is; with
     `float32_out` the output is the float32 accumulator (the LM head's logits)."""
     lib = lib or _library()

@@ -1,11 +1,9 @@
-"""Quantized weights in the bf16 GEMM's tiles (csrc/quant_gemm_bf16.cpp, quant_int4_bf16.h, quantization/tiles.py).
+"""Quantized weights in the bf16 GEMM's tiles (csrc/quant_gemm_bf16.cpp, quantization/tiles.py).
 
-8-bit tiles are defined as "the bf16 GEMM on bf16(weight.dequantize())", so each case compares
-them bit for bit with kvflow's own bf16 GEMM on that weight. 4-bit tiles multiply by the
-dequantized weight itself (no bf16 rounding of weights), summed group by group in float32: they
-are compared with a float64 product within float32 accumulation error, and their rows must not
-depend on the rows beside them. On CPUs without AVX512-BF16 the kernels run in the SIMDe-emulated
-build (csrc/isa.h), so every CI machine checks the numerics.
+The tiles multiply by the dequantized weight itself (no bf16 rounding of weights), summed group
+by group in float32: each case is compared with a float64 product within float32 accumulation
+error, and a row must not depend on the rows beside it. On CPUs without AVX512-BF16 the kernels
+run in the SIMDe-emulated build (csrc/isa.h), so every CI machine checks the numerics.
 """
 
 from __future__ import annotations
@@ -28,11 +26,14 @@ def lib(kernels):
 
 def _weights(n: int, k: int, seed: int) -> list[QuantizedWeight]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
-    return [methods.quantize_int8(w), methods.quantize_int8(w, 32), methods.quantize_int4(w, 32),
+    asymmetric = QuantizedWeight(*[getattr(methods.quantize_int8(w, 32), f) for f in ("qweight", "scales")],
+                                 torch.randn(n, k // 32, generator=torch.Generator().manual_seed(seed)) * 0.01,
+                                 8, 32, k, "int8 with offsets")  # a widened shard's or an asymmetric checkpoint's
+    return [methods.quantize_int8(w), methods.quantize_int8(w, 32), asymmetric, methods.quantize_int4(w, 32),
             methods.quantize_int4(w, 64), methods.quantize_int4(w, 16)]
 
 
-def _check_int4(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> None:
+def _check(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> None:
     """float32 logits within float32 accumulation error of the float64 product with the
     dequantized weight; the bf16 outputs are those logits (+ the bf16 bias) rounded once."""
     logits = op_f32(x)
@@ -45,7 +46,7 @@ def _check_int4(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, 
 
 @pytest.mark.parametrize("n,k,m", [(50, 128, 1), (40, 128, 3), (64, 192, 7), (96, 64, 8), (200, 64, 13), (40, 256, 70)])
 def test_tiles_equal_their_definition(lib, n, k, m):
-    kernels, tile_lib = lib
+    _, tile_lib = lib
     g = torch.Generator().manual_seed(n * k + m)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
@@ -53,24 +54,15 @@ def test_tiles_equal_their_definition(lib, n, k, m):
         t = tiles.pack(qw, lib=tile_lib)
         op_f32 = tiles.prepare(t, float32_out=True, lib=tile_lib)
         op_bf16, op_bias = tiles.prepare(t, lib=tile_lib), tiles.prepare(t, bias, lib=tile_lib)
-        if qw.bits == 4:
-            _check_int4(op_f32, op_bf16, op_bias, qw, x, bias)
-            continue
-        packed = kernels.pack_weight(qw.dequantize(torch.float32).to(torch.bfloat16))
-        assert torch.equal(op_bf16(x), kernels.gemm(x, packed, n)), qw.source
-        assert torch.equal(op_bias(x), kernels.gemm(x, packed, n, bias.to(torch.bfloat16))), f"{qw.source} with a bias"
-        logits = op_f32(x)
-        assert logits.dtype == torch.float32
-        assert torch.equal(logits.to(torch.bfloat16), kernels.gemm(x, packed, n))  # the unrounded accumulator
+        _check(op_f32, op_bf16, op_bias, qw, x, bias)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_tiles_are_batch_invariant(lib, method):
+@pytest.mark.parametrize("which", [0, 2, 3])  # int8 per channel, int8 with offsets, int4
+def test_tiles_are_batch_invariant(lib, which):
     """A row's output does not depend on the rows beside it: one row, the in-register decode
     rows (up to 8), 12-row and 8-row blocks of a stored tile, and a partial last tile."""
     _, tile_lib = lib
-    w = torch.randn(104, 128, generator=torch.Generator().manual_seed(1))
-    qw = methods.quantize_int4(w, 32) if method == "int4" else methods.quantize_int8(w)
+    qw = _weights(104, 128, seed=1)[which]
     op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
     x = torch.randn(80, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     whole = op(x)
@@ -88,7 +80,7 @@ def test_tiles_pack_a_gguf_q4_1_layout(lib):
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     bias = torch.randn(48, generator=g)
     t = tiles.pack(qw, lib=tile_lib)
-    _check_int4(tiles.prepare(t, float32_out=True, lib=tile_lib), tiles.prepare(t, lib=tile_lib),
+    _check(tiles.prepare(t, float32_out=True, lib=tile_lib), tiles.prepare(t, lib=tile_lib),
                 tiles.prepare(t, bias, lib=tile_lib), qw, x, bias)
 
 

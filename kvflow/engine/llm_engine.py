@@ -123,7 +123,8 @@ class LLMEngine:
                     target_vocab=self.tokenizer.get_vocab() if self.tokenizer is not None else None,
                     draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
                     max_catch_up_tokens=config.max_num_batched_tokens,
-                    quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype))
+                    quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype,
+                                                      quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None))
             self.speculator = Speculator(spec, self.max_model_len, draft)
         # Compiled grammars (cached) for structured output; xgrammar loads on the first such request.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,

@@ -32,6 +32,10 @@ class SpeculativeConfig:
     # The draft's weight quantization (int8, int4, gguf, none; kvflow.quantization): with
     # `model` set to the target's own path, "int4" is the quantized self-draft.
     quantization: str | None = None
+    # With `quantization`, the draft's LM head is quantized too unless this says no: a draft's
+    # guesses are checked by the target, and in a 135M model the head is a fifth of the bytes
+    # a step streams.
+    quantize_lm_head: bool = True
     # Speculation is off for every sequence while more than this many requests are
     # unfinished: a full batch is compute-bound and verifying guesses only slows it down.
     disable_by_batch_size: int | None = 4
@@ -88,6 +92,8 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config.model: required for method 'draft_model' (an HF directory or GGUF file)")
         elif self.model is not None or self.quantization is not None:
             raise ValueError(f"speculative_config.model: only method 'draft_model' takes a model, not {self.method!r}")
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"speculative_config.quantize_lm_head: must be true or false, got {self.quantize_lm_head!r}")
         if self.quantization is not None:
             from kvflow.quantization.config import QuantizationConfig
 
@@ -100,7 +106,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             what = f"ngram prompt lookup, {self.prompt_lookup_min}..{self.prompt_lookup_max}-grams"
         else:
-            what = f"draft model {self.model}" + (f" ({self.quantization})" if self.quantization else "")
+            head = ", LM head too" if self.quantize_lm_head else ""
+            what = f"draft model {self.model}" + (f" ({self.quantization}{head})" if self.quantization else "")
         batch = "never" if self.disable_by_batch_size is None else f"above {self.disable_by_batch_size} unfinished requests"
         return (f"speculative decoding: {what}, {self.num_speculative_tokens} tokens per step; off {batch}, "
                 f"and for a sequence accepting under {self.min_mean_accepted} tokens per step")

@@ -19,6 +19,7 @@ from kvflow.spec_decode.config import SpeculativeConfig
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "model": "x", "quantize_lm_head": "yes"}, "quantize_lm_head"),
     ("{not json", "speculative_config"),
     ([1, 2], "speculative_config"),
 ])

@@ -121,10 +121,17 @@ def test_quantized_self_draft(target):
     llm = LLM(target, dtype="float32", kv_cache_memory=1 << 20, speculative_config=spec)
     draft_model = llm.engine.speculator.draft.runner.model
     assert draft_model.layers[0].mlp.down_proj.quant_weight.source == "int4"
+    assert draft_model.lm_head.quant_weight is not None  # the draft's head too, by default
     assert llm.engine.runner.model.layers[0].mlp.down_proj.quant_weight is None
     assert [t for t, _ in _run(llm)] == [t for t, _ in plain]
     stats = llm.engine.get_stats().spec_decode
     assert stats.num_accepted_tokens > 0.25 * stats.num_draft_tokens
+
+
+def test_draft_lm_head_stays_when_asked(target):
+    spec = {**_spec(target), "quantization": "int8", "quantize_lm_head": False}
+    llm = LLM(target, dtype="float32", kv_cache_memory=1 << 20, speculative_config=spec)
+    assert llm.engine.speculator.draft.runner.model.lm_head.quant_weight is None
 
 
 def test_draft_quantization_refused_by_name():

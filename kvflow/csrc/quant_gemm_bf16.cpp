@@ -176,6 +176,11 @@ inline void grouped_block(const uint16_t* x, int64_t x_stride, const float* xsum
             }
         }
         for (int j = 0; j < NT; ++j) {
+            // Scales and offsets are two more streams (4-bit groups of 32: half the quants'
+            // bytes); left to the hardware they stalled each flush (single thread, 960 x 576 at
+            // one row: 24.9 -> 15.8 us with the hint, 3072 x 576: 85.9 -> 50.5 us).
+            _mm_prefetch(reinterpret_cast<const char*>(s + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
+            if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(o + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
             const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * 16);
             for (int m = 0; m < MT; ++m) {
                 __m512 v = _mm512_fmadd_ps(acc[m][j], sj, _mm512_load_ps(out[m][j]));

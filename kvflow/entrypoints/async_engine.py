@@ -83,6 +83,7 @@ class AsyncEngine:
         self._stats: EngineStats = engine.get_stats()
         self._stopping = False
         self._dead: BaseException | None = None
+        self._step_listeners: list[Any] = []  # fn(engine) after every step, on the engine thread
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
         self.kv_connector = None  # prefill/decode disaggregation (kvflow/distributed/kv_transfer/), with --kv-transfer-config
@@ -182,6 +183,11 @@ class AsyncEngine:
             if not self._closed:
                 self._commands.append(_AbortCommand(request_id, stream))
                 self._cond.notify()
+
+    def add_step_listener(self, fn: Any) -> None:
+        """Call `fn(engine)` on the engine thread after every step, before the next: how a KV producer
+        sends each prefill chunk's blocks as soon as they are computed. Its exceptions are logged."""
+        self._step_listeners.append(fn)
 
     def abort_sample(self, request_id: str, index: int, stream: RequestStream) -> None:
         """Stop sample `index` of a request with n > 1 (its blocks freed before the next step), while
@@ -295,6 +301,11 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             deliveries.setdefault(stream.loop, []).append((stream, out))
         self._deliver(deliveries)
+        for listener in self._step_listeners:
+            try:
+                listener(self.engine)
+            except Exception:  # a listener's bug must not stop the engine
+                logger.exception("a step listener failed")
 
     def _fail_batch(self, exc: Exception) -> None:
         """Fail the requests the failed step was running; the waiting ones keep their turn."""

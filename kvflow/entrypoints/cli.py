@@ -99,11 +99,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,router,roofline,collectives}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import collectives, latency, prefix, quality, roofline, router, serve, speculative, throughput
+    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,router,disagg,roofline,collectives}`; each
+    module defers its heavy imports to its run()."""
+    from kvflow.bench import (collectives, disagg, latency, prefix, quality, roofline, router, serve, speculative,
+                              throughput)
 
     p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, router, "
-                                     "roofline, collectives")
+                                     "disagg, roofline, collectives")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -114,6 +116,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("router", router, "prefill tokens behind kvflow router: cache-aware vs round-robin over fresh instances",
+         False),
+        ("disagg", disagg, "decode streams' ITL while long prompts arrive: colocated vs prefill + decode instances",
          False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
         ("collectives", collectives, "µs per gloo all-reduce and stage-to-stage send at decode/prefill sizes", False),

@@ -208,18 +208,9 @@ class LLMEngine:
         return self._abort_sequence(request_id)
 
     def abort_sample(self, request_id: str, index: int) -> bool:
-        """Stop sample `index` of a request with n > 1 and free its blocks now; the other samples go on
-        (the split server's API process matches stop strings, so it asks when one ends a sample).
-        The request's outputs report it as aborted from here on. False if there was nothing to stop."""
-        group = self.sample_groups.groups.get(request_id)
-        if group is None:
-            return False
-        if not 0 <= index < len(group.samples) or group.samples[index] in group.held:
-            return False
-        stopped = self._abort_sequence(group.samples[index].seq.request_id)
-        if group.finished:  # the others had finished already: nothing of the request is left
-            self.sample_groups.pop(request_id)
-        return stopped
+        """Stop sample `index` of a request with n > 1 and free its blocks now; the others go on (the
+        split server's API process matches stop strings, so it asks when one ends a sample)."""
+        return self.sample_groups.abort_sample(request_id, index, self._abort_sequence)
 
     def _abort_sequence(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)

@@ -132,6 +132,12 @@ def test_stop_string_ends_the_request_in_the_core(split_server, offline_llm):
         assert wait_engine_idle(engine, 5.0), engine.get_stats()
         # Two requests of ~len(ref) tokens each, plus a few steps before the aborts landed: not 2 x 1000.
         assert engine.get_stats().generation_tokens - before < 2 * len(ref.token_ids) + 64
+    # n > 1: a stop string ends each sample on its own (abort_sample in the core while the others go on).
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=24, stop=["e"])
+    ref = offline_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    got = completion(http, n=3, temperature=0.8, seed=5, max_tokens=24, stop=["e"])["choices"]
+    assert [(c["text"], c["finish_reason"]) for c in got] == [(r.text, r.finish_reason) for r in ref]
+    assert wait_engine_idle(engine, 5.0), engine.get_stats()
 
 
 def test_wire_errors_and_params_cross_whole():

@@ -46,7 +46,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='prefill/decode disaggregation: \'{"kv_role": "kv_producer"}\' (a prefill instance; keys '
                         "kv_host, kv_port: where it serves its prompt blocks) or '{\"kv_role\": \"kv_consumer\"}' "
-                        "(a decode instance; kv_timeout_s: how long it waits for them before computing the prompt "
+                        "(a decode instance; kv_timeout_s, default 60: how long it waits for them, the prefill included, "
+                        "before computing the rest of the prompt "
                         "itself); see kvflow router --prefill/--decode")
     g.add_argument("--in-process-engine", action="store_true",
                    help="run the engine loop in the API server's process (a thread) instead of its own engine "

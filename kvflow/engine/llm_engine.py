@@ -35,7 +35,7 @@ from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvflow.sampling.detokenizer import IncrementalDetokenizer, find_stop_string
+from kvflow.sampling.detokenizer import CompletionText
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import SpecDecodeStats, Speculator
 from kvflow.structured_output.manager import StructuredOutputManager
@@ -63,8 +63,7 @@ class EngineStats:
 @dataclass
 class _Request:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
+    output: CompletionText  # the detokenized text and the stop strings (shared with the split server's API side)
     cumulative_logprob: float = 0.0
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
@@ -179,8 +178,10 @@ class LLMEngine:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text)
             if p.structured_outputs is not None:  # every sample walks the grammar on its own
                 seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, p.skip_special_tokens) if self.tokenizer else None
-            return _Request(seq, detok, index=index)
+            # detokenize=False (the engine core of a split server): the API process makes the text.
+            tokenizer = self.tokenizer if p.detokenize else None
+            output = CompletionText(tokenizer, token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
+            return _Request(seq, output, index=index)
 
         if params.n > 1:  # parallel sampling: k sequences over one prompt (engine/parallel_sampling.py)
             self.sample_groups.add_request(request_id, params, make, self._requests, self.scheduler,
@@ -206,6 +207,11 @@ class LLMEngine:
         if group is not None:
             return any([self._abort_sequence(r.seq.request_id) for r in group.samples])
         return self._abort_sequence(request_id)
+
+    def abort_sample(self, request_id: str, index: int) -> bool:
+        """Stop sample `index` of a request with n > 1 and free its blocks now; the others go on (the
+        split server's API process matches stop strings, so it asks when one ends a sample)."""
+        return self.sample_groups.abort_sample(request_id, index, self._abort_sequence)
 
     def _abort_sequence(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
@@ -292,14 +298,15 @@ class LLMEngine:
             seq.first_token_time = now
             if req.index == 0:  # a prompt counts once, however many samples it has
                 self.prompt_tokens_total += seq.num_prompt_tokens
-        prev_len = len(req.text)
+        prev_len = len(req.output.text)
         req.new_token_ids = []
         status = None
         for i, tid in enumerate(result.token_ids):
             status = self._append_token(req, tid, result.logprobs[i] if result.logprobs is not None else None)
             if status is not None:
                 break
-        req.new_text = req.text[prev_len:] if len(req.text) >= prev_len else ""
+        text = req.output.text
+        req.new_text = text[prev_len:] if len(text) >= prev_len else ""
         return status
 
     def _append_token(self, req: _Request, tid: int, logprobs: dict[int, float] | None) -> SequenceStatus | None:
@@ -310,9 +317,7 @@ class LLMEngine:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(tid, 0.0)
-        prev_len = len(req.text)
-        if req.detokenizer is not None:
-            req.text += req.detokenizer.add_tokens([tid])
+        req.output.add_token(tid)
         n_out = len(seq.output_token_ids)
         if seq.grammar_state is not None:
             if not seq.grammar_state.accept(tid):  # the sampler picks allowed tokens only: a broken invariant,
@@ -327,12 +332,10 @@ class LLMEngine:
             if tid in params.stop_token_ids:
                 seq.stop_reason = tid
                 return SequenceStatus.FINISHED_STOPPED
-            if params.stop and req.detokenizer is not None:
-                hit = find_stop_string(req.text, len(req.text) - prev_len, params.stop, params.include_stop_str_in_output)
-                if hit is not None:
-                    seq.stop_reason, cut = hit
-                    req.text = req.text[:cut]
-                    return SequenceStatus.FINISHED_STOPPED
+            stop = req.output.find_stop()
+            if stop is not None:
+                seq.stop_reason = stop
+                return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
@@ -343,7 +346,7 @@ class LLMEngine:
         seq = req.seq
         completion = CompletionOutput(
             index=0,
-            text=req.text,
+            text=req.output.text,
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if seq.params.logprobs is not None else None,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,

@@ -175,6 +175,17 @@ class SampleGroups:
                 outputs.append(req.group.output([make_output(r) for r in req.group.samples]))
         return outputs
 
+    def abort_sample(self, request_id: str, index: int, abort_sequence: Callable[[str], bool]) -> bool:
+        """Abort one sample (`abort_sequence(its sequence id)`) while its siblings go on; the request's
+        outputs report it as aborted from here on. False if there was nothing to stop."""
+        group = self.groups.get(request_id)
+        if group is None or not 0 <= index < len(group.samples) or group.samples[index] in group.held:
+            return False
+        stopped = abort_sequence(group.samples[index].seq.request_id)
+        if group.finished:  # the others had finished already: nothing of the request is left
+            self.pop(request_id)
+        return stopped
+
     @staticmethod
     def request_ids(seqs: list[Sequence], records: dict[str, Any]) -> list[str]:
         """The requests these sequences belong to, once each (a sample answers for its request)."""

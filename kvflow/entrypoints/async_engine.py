@@ -25,80 +25,15 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+# The request-side pieces live in request_stream.py (shared with the split server's client); the
+# names stay importable from here.
+from kvflow.entrypoints.request_stream import (EngineDeadError, EngineOverloadedError, EngineStepError,  # noqa: F401
+                                               RequestStream, _put_all, _resolve)
 from kvflow.loader.generation_config import SamplingDefaults
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 
 logger = logging.getLogger("kvflow")
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the client should retry after `retry_after` seconds."""
-
-    def __init__(self, num_waiting: int, max_waiting: int, retry_after: int = 1) -> None:
-        super().__init__(
-            f"the server is overloaded: {num_waiting} requests are already waiting (max_waiting={max_waiting}); "
-            "retry later"
-        )
-        self.num_waiting, self.max_waiting, self.retry_after = num_waiting, max_waiting, retry_after
-
-
-class EngineStepError(RuntimeError):
-    """A step raised while this request was in the batch; the request was aborted."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down, or crashed outside a step)."""
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator of per-step `RequestOutput`s.
-
-    Iteration ends after the output with `finished=True`. Leaving early (client gone) must
-    call `abort()` so that the engine frees the request's blocks; it is idempotent and a
-    no-op once the request finished.
-    """
-
-    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.finished = False
-        self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop thread (via call_soon_threadsafe) by the engine thread."""
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is None:  # abort() woke a waiting reader
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    async def next(self) -> RequestOutput | None:
-        """The next output, or None after the last one (a plain coroutine, usable as a Task)."""
-        try:
-            return await self.__anext__()
-        except StopAsyncIteration:
-            return None
-
-    def abort(self) -> None:
-        """Stop the request in the engine (freeing its blocks) unless it already finished."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id, self)
-            self._queue.put_nowait(None)
 
 
 @dataclass
@@ -124,6 +59,7 @@ class _CallCommand:
 class _AbortCommand:
     request_id: str
     stream: "RequestStream | None" = None  # when set, abort only if the id still belongs to this stream
+    sample: int | None = None  # n > 1: stop only this sample; the request goes on
 
 
 class AsyncEngine:
@@ -147,6 +83,7 @@ class AsyncEngine:
         self._stats: EngineStats = engine.get_stats()
         self._stopping = False
         self._dead: BaseException | None = None
+        self._step_listeners: list[Any] = []  # fn(engine) after every step, on the engine thread
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
         self.kv_connector = None  # prefill/decode disaggregation (kvflow/distributed/kv_transfer/), with --kv-transfer-config
@@ -247,6 +184,19 @@ class AsyncEngine:
                 self._commands.append(_AbortCommand(request_id, stream))
                 self._cond.notify()
 
+    def add_step_listener(self, fn: Any) -> None:
+        """Call `fn(engine)` on the engine thread after every step, before the next: how a KV producer
+        sends each prefill chunk's blocks as soon as they are computed. Its exceptions are logged."""
+        self._step_listeners.append(fn)
+
+    def abort_sample(self, request_id: str, index: int, stream: RequestStream) -> None:
+        """Stop sample `index` of a request with n > 1 (its blocks freed before the next step), while
+        its other samples go on: what the split server's API process asks when a stop string ends one."""
+        with self._cond:
+            if not self._closed:
+                self._commands.append(_AbortCommand(request_id, stream, index))
+                self._cond.notify()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; requests still running get `EngineDeadError`."""
         with self._cond:
@@ -305,6 +255,13 @@ class AsyncEngine:
         if isinstance(cmd, _AbortCommand):
             if cmd.stream is not None and self._streams.get(cmd.request_id) is not cmd.stream:
                 return  # the id now belongs to another request (or this one already finished)
+            if cmd.sample is not None:
+                self.engine.abort_sample(cmd.request_id, cmd.sample)
+                if not self.engine.has_request(cmd.request_id) and cmd.stream is not None:
+                    # That was its last sample running (the others ended since): the stream ends here.
+                    del self._streams[cmd.request_id]
+                    self._deliver({cmd.stream.loop: [(cmd.stream, None)]})
+                return
             stream = self._streams.pop(cmd.request_id, None)
             try:
                 if self.engine.abort_request(cmd.request_id) and stream is not None:
@@ -344,6 +301,11 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             deliveries.setdefault(stream.loop, []).append((stream, out))
         self._deliver(deliveries)
+        for listener in self._step_listeners:
+            try:
+                listener(self.engine)
+            except Exception:  # a listener's bug must not stop the engine
+                logger.exception("a step listener failed")
 
     def _fail_batch(self, exc: Exception) -> None:
         """Fail the requests the failed step was running; the waiting ones keep their turn."""
@@ -389,26 +351,3 @@ class AsyncEngine:
                 for stream, _ in items:
                     if self.engine.abort_request(stream.request_id):
                         self._streams.pop(stream.request_id, None)
-
-
-def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-    for stream, item in items:
-        stream.put(item)
-
-
-def _resolve(future: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
-    """Complete a command's future from the engine thread."""
-
-    def finish() -> None:
-        if future.done():  # the caller was cancelled; its abort command cleans up
-            return
-        if exc is None:
-            future.set_result(result)
-        else:
-            future.set_exception(exc)
-
-    try:
-        future.get_loop().call_soon_threadsafe(finish)
-    except RuntimeError:
-        pass
-

@@ -46,7 +46,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='prefill/decode disaggregation: \'{"kv_role": "kv_producer"}\' (a prefill instance; keys '
                         "kv_host, kv_port: where it serves its prompt blocks) or '{\"kv_role\": \"kv_consumer\"}' "
-                        "(a decode instance; kv_timeout_s: how long it waits for them before computing the prompt "
+                        "(a decode instance; kv_timeout_s, default 60: how long it waits for them, the prefill included, "
+                        "before computing the rest of the prompt "
                         "itself); see kvflow router --prefill/--decode")
     g.add_argument("--in-process-engine", action="store_true",
                    help="run the engine loop in the API server's process (a thread) instead of its own engine "
@@ -99,11 +100,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,router,roofline,collectives}`; each module defers its heavy imports to its run()."""
-    from kvflow.bench import collectives, latency, prefix, quality, roofline, router, serve, speculative, throughput
+    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,router,disagg,roofline,collectives}`; each
+    module defers its heavy imports to its run()."""
+    from kvflow.bench import (collectives, disagg, latency, prefix, quality, roofline, router, serve, speculative,
+                              throughput)
 
     p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, router, "
-                                     "roofline, collectives")
+                                     "disagg, roofline, collectives")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -114,6 +117,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("router", router, "prefill tokens behind kvflow router: cache-aware vs round-robin over fresh instances",
+         False),
+        ("disagg", disagg, "decode streams' ITL while long prompts arrive: colocated vs prefill + decode instances",
          False),
         ("roofline", roofline, "this machine's matmul/bandwidth ceilings and a result's fraction of them", False),
         ("collectives", collectives, "µs per gloo all-reduce and stage-to-stage send at decode/prefill sizes", False),

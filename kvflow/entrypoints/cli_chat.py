@@ -53,7 +53,7 @@ _CHAT_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C 
 
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
     """Reads a line, streams the reply, keeps the history (through the chat template) until /reset."""
-    from kvflow.entrypoints.openai.server import TextStreamer
+    from kvflow.entrypoints.openai.streaming import TextStreamer
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     params = sampling_params_from_args(args)

@@ -54,6 +54,7 @@ class Router:
         self.policy, self.prefill_policy = POLICIES[policy](), POLICIES[policy]()
         self.prefill_timeout = prefill_timeout
         self.disaggregated = {"remote_prefill": 0, "fallback": 0}
+        self._prefills_running: set[asyncio.Task] = set()  # the background prefills (kept from the GC)
         self.timeout = httpx.Timeout(request_timeout, connect=5.0)
         self.client: httpx.AsyncClient | None = None
         self.routed = {"cache": 0, "balance": 0, "load": 0, "round_robin": 0}
@@ -139,12 +140,14 @@ class Router:
             return await self._relay(inst, upstream, bool(body.get("stream")))
 
     async def prefill(self, path: str, body: dict, body_bytes: bytes, key: Any, headers: dict) -> bytes:
-        """Have a prefill instance compute the prompt; the body the decode instance gets.
+        """Start the prompt's prefill on a prefill instance; the body the decode instance gets, at once.
 
-        The prefill runs as the same request cut to one token (its prompt blocks then sit in the
-        producer's prefix cache); the decode body names the producer, whose blocks the decode
-        instance fetches before it admits the request. If no prefill instance is up, or it fails
-        or times out, the decode instance gets the request as it came and computes the prompt.
+        The prefill runs as the same request cut to one token, in the background: the decode body
+        names the producer, and the decode instance subscribes to the prompt's blocks there and
+        loads them as each prefill step completes some, so the transfer overlaps the prefill. If no
+        prefill instance is up, the decode instance gets the request as it came; if the prefill
+        fails or times out, the producer (or its silence) tells the decode instance, which computes
+        the rest of the prompt itself.
         """
         candidates = [i for i in self.healthy(self.prefills) if i.kv_addr]
         if not candidates:
@@ -155,6 +158,13 @@ class Router:
                  "kv_transfer_params": {"do_remote_decode": True}}
         for name in ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs"):
             short.pop(name, None)
+        task = asyncio.ensure_future(self._run_prefill(inst, path, short, headers))
+        self._prefills_running.add(task)
+        task.add_done_callback(self._prefills_running.discard)
+        return json.dumps({**body, "kv_transfer_params": {"do_remote_prefill": True,
+                                                          "remote_kv_addr": inst.kv_addr}}).encode()
+
+    async def _run_prefill(self, inst: Instance, path: str, short: dict, headers: dict) -> None:
         inst.in_flight += 1
         try:
             r = await self.client.post(inst.url + path, json=short, headers=headers, timeout=self.prefill_timeout)
@@ -167,13 +177,9 @@ class Router:
             ok = False
         finally:
             inst.in_flight -= 1
-        if not ok:
-            self.disaggregated["fallback"] += 1
-            return body_bytes
-        inst.requests_total += 1
-        self.disaggregated["remote_prefill"] += 1
-        return json.dumps({**body, "kv_transfer_params": {"do_remote_prefill": True,
-                                                          "remote_kv_addr": inst.kv_addr}}).encode()
+        if ok:
+            inst.requests_total += 1
+        self.disaggregated["remote_prefill" if ok else "fallback"] += 1
 
     async def _relay(self, inst: Instance, upstream: httpx.Response, streaming: bool) -> Response:
         passed = {k: v for k, v in upstream.headers.items()

@@ -146,3 +146,40 @@ def stop_string_holdback(text: str, stop: list[str]) -> int:
                 longest = k
                 break
     return longest
+
+
+class CompletionText:
+    """One completion's text, grown token by token, and the stop strings that may end it.
+
+    The one piece of text handling both sides of the engine share: `LLMEngine` runs it beside
+    the sampler (`LLM`, the in-process server), the split server's API process runs it on the
+    token ids the engine core sends (`entrypoints/core/assembler.py`), so the two give the same
+    text, cut at the same place, by construction. Without a tokenizer the text stays empty and
+    no stop string can match (as the engine has always done for token-id-only models).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 stop: list[str], include_stop_str_in_output: bool) -> None:
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+                             if tokenizer is not None else None)
+        self._stop, self._include_stop = stop, include_stop_str_in_output
+        self.text = ""
+        self._prev_len = 0  # len(text) before the last token
+
+    def add_token(self, token_id: int) -> None:
+        """Detokenize one more output token (its text may be held back until a character completes)."""
+        self._prev_len = len(self.text)
+        if self._detokenizer is not None:
+            self.text += self._detokenizer.add_tokens([token_id])
+
+    def find_stop(self) -> str | None:
+        """The stop string the last token completed, if any; the text is then cut where it ends
+        generation (before the stop string, or after it with `include_stop_str_in_output`)."""
+        if not self._stop or self._detokenizer is None:
+            return None
+        hit = find_stop_string(self.text, len(self.text) - self._prev_len, self._stop, self._include_stop)
+        if hit is None:
+            return None
+        stop, cut = hit
+        self.text = self.text[:cut]
+        return stop

@@ -81,6 +81,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Constrain the output to a JSON schema, regex, choice list or grammar (vLLM's field).
     structured_outputs: StructuredOutputsParams | None = None
+    # False: the engine makes token ids only, no text (vLLM's field). The split server's engine core
+    # runs so: its API process detokenizes and matches the stop strings (entrypoints/core/assembler.py).
+    detokenize: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
         # __new__ sees the constructor's own arguments, which the generated __init__ does not keep.
@@ -201,6 +204,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop: stop strings need the text, so detokenize must be True")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")

@@ -224,3 +224,25 @@ def test_waiting_requests_count_a_request_once(tiny):
     while engine.has_unfinished_requests():
         engine.step()
     _assert_pool_free(llm)
+
+
+def test_abort_one_sample_lets_the_others_finish(llm):
+    """What the split server's API process asks when a stop string ends one sample of n > 1."""
+    engine, prompt = llm.engine, _prompt(40, seed=7)
+    params = SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    whole = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    engine.add_request("ab", {"prompt_token_ids": prompt}, params)
+    final, aborted = None, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+            if not aborted and len(out.outputs[1].token_ids) >= 3:
+                assert engine.abort_sample("ab", 1)
+                aborted = True
+    assert aborted and final.finished
+    assert [c.finish_reason for c in final.outputs] == ["length", "abort", "length"]
+    assert final.outputs[1].token_ids == whole.outputs[1].token_ids[:3]
+    for i in (0, 2):  # the siblings go on as if nothing happened
+        assert final.outputs[i].token_ids == whole.outputs[i].token_ids
+    assert not engine.has_request("ab") and not engine.abort_sample("ab", 0)
+    _assert_pool_free(llm)

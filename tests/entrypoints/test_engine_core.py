@@ -20,7 +20,6 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.core import wire
 from kvflow.entrypoints.core.client import EngineCoreClient
 from kvflow.entrypoints.openai.server import build_app
-from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.params import SamplingParams
 
 from .conftest import ENGINE_KWARGS, MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
@@ -111,17 +110,37 @@ def test_disconnect_aborts_in_the_core(split_server):
     assert wait_engine_idle(engine, 5.0), engine.get_stats()
 
 
-def test_wire_deltas_rebuild_cumulative_outputs():
-    """Text that shrinks (a stop string cut off) and n > 1 completions come out whole on the client."""
-    deltas, assembler = wire.OutputDeltas(), wire.OutputAssembler()
-    assembler.start("r", "p", [1, 2])
-    for i, texts in enumerate([["He", "x"], ["Hello ST", "xy"], ["Hello", "xyz"]]):
-        comps = [CompletionOutput(j, t, list(range(i + 1)), None, None, "stop" if i == 2 else None)
-                 for j, t in enumerate(texts)]
-        out = RequestOutput("r", "p", [1, 2], comps, i == 2, RequestMetrics(0.0))
-        got = assembler.decode(wire.unpack(wire.pack(tuple(deltas.encode(out)))))
-        assert [c.text for c in got.outputs] == texts and got.outputs[0].token_ids == list(range(i + 1))
-    assert got.finished
+def test_stop_string_ends_the_request_in_the_core(split_server, offline_llm):
+    """The API process finds the stop string and aborts the request in the core: same text as
+    in-process, and the core stops generating at once (its blocks back in the pool)."""
+    engine, http = split_server
+    free = offline_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 3:][:2]
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, stop=[stop],
+                                include_stop_str_in_output=include)
+        ref = offline_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        before = engine.get_stats().generation_tokens
+        body = completion(http, max_tokens=1000, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+        choice = body["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (ref.text, "stop")
+        assert body["usage"]["completion_tokens"] == len(ref.token_ids)
+        streamed = stream_events(http, {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+                                        "stop": [stop], "include_stop_str_in_output": include})
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in streamed[:-1]) == ref.text
+        assert wait_engine_idle(engine, 5.0), engine.get_stats()
+        # Two requests of ~len(ref) tokens each, plus a few steps before the aborts landed: not 2 x 1000.
+        assert engine.get_stats().generation_tokens - before < 2 * len(ref.token_ids) + 64
+    # n > 1: a stop string ends each sample on its own (abort_sample in the core while the others go on).
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=24, stop=["e"])
+    ref = offline_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    got = completion(http, n=3, temperature=0.8, seed=5, max_tokens=24, stop=["e"])["choices"]
+    assert [(c["text"], c["finish_reason"]) for c in got] == [(r.text, r.finish_reason) for r in ref]
+    assert wait_engine_idle(engine, 5.0), engine.get_stats()
+
+
+def test_wire_errors_and_params_cross_whole():
     # Refusals keep their class across the wire, so the server's handlers give the same status.
     from kvflow.entrypoints.async_engine import EngineOverloadedError
     from kvflow.structured_output.backend import StructuredOutputError

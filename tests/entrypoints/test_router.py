@@ -70,7 +70,9 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     model, _ = save_tiny_llama(tmp / "model")
     logs = [tmp / "a.log", tmp / "b.log"]
-    procs = [start_serve(model, logs[0], "--in-process-engine", "--kv-transfer-config", '{"kv_role": "kv_producer"}'),
+    # The producer's token budget (32) computes a 69-token prompt over three steps: its blocks stream.
+    procs = [start_serve(model, logs[0], "--in-process-engine", "--max-num-batched-tokens", "32",
+                         "--kv-transfer-config", '{"kv_role": "kv_producer"}'),
              start_serve(model, logs[1], "--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_timeout_s": 5}')]
     try:
         wait_healthy(procs, logs)
@@ -170,6 +172,7 @@ def test_disaggregated_prefill_moves_the_prompt_blocks(cluster):
     assert prefill_tokens(procs[1][1]) - before == 5
     info = httpx.get(procs[1][1] + "/kv_transfer").json()
     assert info["kv_role"] == "kv_consumer" and info["stats"]["blocks"] == 4 and info["stats"]["failures"] == 0
+    assert info["stats"]["chunks"] >= 1  # 2 when the consumer subscribed before the first prefill step ended
     # A stream through the disaggregated path, on a prompt B has not seen.
     prompt = prompts(7, 1)[0]
     ref = ref_llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8),

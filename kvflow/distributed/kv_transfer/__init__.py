@@ -5,5 +5,8 @@
   request may run) and a worker side (reading and writing blocks of the pool).
 - `blocks.py`: the worker side on kvflow's pool: whole prompt blocks read out of, and written into,
   the prefix cache, between two engine steps.
-- `zmq_connector.py`: the implementation over ZMQ/TCP (a producer's block server, a consumer's fetch).
+- `producer.py`: the producer's block server over ZMQ/TCP, streaming each prefill step's new full
+  blocks to the subscribed consumer; `consumer.py`: the consumer's subscription, loading them as
+  they come; `stats.py`: their counters.
+- `zmq_connector.py`: which half a role runs, and the request-level entry points.
 """

@@ -24,8 +24,10 @@ class KVLoadResult:
     blocks_wanted: int = 0  # full prompt blocks not cached here
     blocks_loaded: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # subscription to the last block: overlaps the producer's prefill
     error: str | None = None  # why nothing (or less) came: the request computes the rest itself
+    chunks: int = 0  # messages the blocks came in (one per producer step that completed blocks)
+    load_seconds: float = 0.0  # consumer: writing the blocks into the pool (engine thread, between steps)
 
 
 class KVConnectorScheduler(ABC):

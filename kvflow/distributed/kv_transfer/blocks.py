@@ -56,7 +56,8 @@ def prompt_chain(token_ids: list[int], block_size: int) -> list[tuple[bytes, lis
 
 
 def cached_run(engine: Any, chain: list) -> list[int]:
-    """Block ids of the leading run of `chain` that this engine's prefix cache holds."""
+    """Block ids of the leading run of `chain` that this engine's prefix cache holds (a producer calls
+    it on the chain's unsent tail after every step: what that step completed)."""
     pool, ids = engine.kv_cache_manager.pool, []
     for h, tokens, parent in chain:
         block = pool.lookup(h, tokens, parent)
@@ -72,14 +73,19 @@ def num_cached_blocks(engine: Any, token_ids: list[int]) -> tuple[int, int]:
     return len(cached_run(engine, chain)), len(chain)
 
 
+def read_blocks(engine: Any, block_ids: list[int]) -> bytes:
+    """The K/V of these pool blocks, every layer, as one frame: [layers, 2, blocks, block_size, heads, dim]."""
+    index = torch.tensor(block_ids, dtype=torch.long)
+    data = torch.stack([cache.index_select(1, index) for cache in engine.runner.kv_caches])  # [L, 2, n, ...]
+    return data.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 class PoolBlocks(KVConnectorWorker):
     def save_blocks(self, engine: Any, token_ids: list[int], skip: int) -> tuple[int, bytes]:
         ids = cached_run(engine, prompt_chain(token_ids, engine.kv_cache_manager.block_size))
         if len(ids) <= skip:
             return len(ids), b""
-        index = torch.tensor(ids[skip:], dtype=torch.long)
-        data = torch.stack([cache.index_select(1, index) for cache in engine.runner.kv_caches])  # [L, 2, n, ...]
-        return len(ids), data.contiguous().view(torch.uint8).numpy().tobytes()
+        return len(ids), read_blocks(engine, ids[skip:])
 
     def load_blocks(self, engine: Any, token_ids: list[int], start: int, count: int, payload: bytes) -> int:
         kv, caches = engine.kv_cache_manager, engine.runner.kv_caches

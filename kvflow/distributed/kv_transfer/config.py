@@ -11,15 +11,16 @@ ROLES = ("kv_producer", "kv_consumer")
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """A producer (prefill instance) serves its cached prompt blocks on `kv_host:kv_port`; a consumer
-    (decode instance) fetches them for a request that names the producer, waiting at most
-    `kv_timeout_s` before it computes the prompt itself."""
+    """A producer (prefill instance) streams a prompt's blocks on `kv_host:kv_port` as its prefill
+    computes them; a consumer (decode instance) subscribes for a request that names the producer,
+    waiting at most `kv_timeout_s` in all (the prefill included: the router sends both at once,
+    hence the default, the router's --prefill-timeout) before it computes the rest itself."""
 
     kv_role: str
     kv_connector: str = "ZmqConnector"
     kv_host: str = "127.0.0.1"
     kv_port: int = 0  # producer: 0 picks a free port (announced at GET /kv_transfer)
-    kv_timeout_s: float = 10.0
+    kv_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.kv_role == "kv_both":

@@ -3,9 +3,10 @@
 `EngineCoreClient` starts `process.run_engine_core` in a spawned child and offers what the
 server, the dashboard and the drain logic use of an `AsyncEngine`: `add_request` (returning the
 same `RequestStream`), `abort`, `call`, `get_stats`, `is_running`, `shutdown`, the tokenizer and
-the model's limits. Tokenization happens here, in the API server process (the client loads the
-same tokenizer); detokenization and stop strings stay in the core for now, next to the
-sampler, and reach the API server as text deltas.
+the model's limits. Tokenization, detokenization and stop strings happen here, in the API server
+process (the client loads the same tokenizer): the core sends token ids, and a request that a
+stop string ends is aborted in the core at once, so its blocks go back to the pool
+(`assembler.py`).
 
 One receiver thread reads the core's PUSH socket and hands each step's outputs to the streams'
 event loops with one `call_soon_threadsafe` per step and loop, as the in-process engine thread
@@ -34,8 +35,9 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.llm_engine import EngineStats
-from kvflow.entrypoints.async_engine import EngineDeadError, RequestStream, _put_all, _resolve
+from kvflow.entrypoints.request_stream import EngineDeadError, RequestStream, _put_all, _resolve
 from kvflow.entrypoints.core import wire
+from kvflow.entrypoints.core.assembler import OutputAssembler
 from kvflow.loader.generation_config import SamplingDefaults
 from kvflow.sampling.params import SamplingParams
 
@@ -67,7 +69,6 @@ class EngineCoreClient:
         self._adds: dict[str, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._assembler = wire.OutputAssembler()
         self._dead: str | None = None
         self._stopping = False
         # A fresh interpreter (`python -m ...process`), not multiprocessing: spawn would re-import the
@@ -96,6 +97,7 @@ class EngineCoreClient:
         self._stats: EngineStats = wire.decode_stats(info["stats"])
         self._kv_info: dict | None = info["kv_transfer"]
         self.tokenizer = load_tokenizer_or_none(info["tokenizer"] or self.model_path)
+        self._assembler = OutputAssembler(self.tokenizer)
         self._thread = threading.Thread(target=self._receive, name="kvflow-core-client", daemon=True)
         self._thread.start()
 
@@ -146,8 +148,10 @@ class EngineCoreClient:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._adds[request_id] = future
             self._streams[request_id] = stream
-            self._assembler.start(request_id, text, ids)
-        self._send((wire.ADD, request_id, text, ids, wire.encode_params(params), arrival_time or time.time(),
+            self._assembler.start(request_id, text, ids, params)
+        # The core makes token ids only; the text and its stop strings are the assembler's.
+        core_params = {**wire.encode_params(params), "stop": [], "detokenize": False}
+        self._send((wire.ADD, request_id, text, ids, core_params, arrival_time or time.time(),
                     priority, kv_transfer_params))
         try:
             await future
@@ -242,6 +246,7 @@ class EngineCoreClient:
             _, stats, num_errors, batch = msg
             self._stats, self.num_step_errors = wire.decode_stats(stats), num_errors  # before anyone hears of the step
             deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+            aborts: list[tuple] = []  # what a stop string ended here while the core still runs it
             with self._lock:
                 for entry in batch:
                     stream = self._streams.get(entry[0])
@@ -251,14 +256,19 @@ class EngineCoreClient:
                         item: Any = wire.decode_error(*entry[1:])
                         done = True
                     else:
-                        item = self._assembler.decode(entry)
-                        if item is None:
+                        assembled = self._assembler.decode(entry)
+                        if assembled is None:
                             continue
-                        done = item.finished
+                        item, done = assembled.output, assembled.output.finished
+                        if assembled.abort_request:
+                            aborts.append((wire.ABORT, entry[0]))
+                        aborts += [(wire.ABORT_SAMPLE, entry[0], i) for i in assembled.abort_samples]
                     if done:
                         del self._streams[entry[0]]
                         self._assembler.forget(entry[0])
                     deliveries.setdefault(stream.loop, []).append((stream, item))
+            for abort in aborts if not self._stopping else ():  # sent before the streams hear of it
+                self._send(abort)
             self._deliver(deliveries)
         elif kind == wire.STATS:
             self._stats, self.num_step_errors, self._kv_info = wire.decode_stats(msg[1]), msg[2], msg[3]

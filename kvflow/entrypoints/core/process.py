@@ -145,6 +145,10 @@ class _CoreServer:
                 stream.abort()
             elif rid in self.tasks:  # still being added: the add's own cancellation undoes it
                 self.tasks[rid].cancel()
+        elif kind == wire.ABORT_SAMPLE:  # a stop string ended one sample of an n > 1 request
+            stream = self.streams.get(msg[1])
+            if stream is not None:
+                self.engine.abort_sample(msg[1], msg[2], stream)
         elif kind == wire.CALL:
             asyncio.ensure_future(self._call(msg[1], msg[2]))
         else:

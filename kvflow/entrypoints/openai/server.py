@@ -22,7 +22,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import choices as c
@@ -32,32 +32,14 @@ from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handl
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response  # noqa: F401 (TextStreamer: re-exported)
 from kvflow.entrypoints.openai.structured import name_field
 from kvflow.outputs import RequestOutput
-from kvflow.sampling.detokenizer import stop_string_holdback
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.backend import StructuredOutputError
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
 logger = logging.getLogger("kvflow")
-
-
-class TextStreamer:
-    """Cuts cumulative output text into deltas that never leak part of a stop string.
-
-    While running, a tail that is a proper prefix of a stop string is held back (the next
-    token may complete it, and then the engine removes it); once finished, all is flushed.
-    """
-
-    def __init__(self, stop: list[str]) -> None:
-        self.stop, self.sent = stop, 0
-
-    def delta(self, text: str, finished: bool) -> str:
-        end = len(text) if finished else len(text) - stop_string_holdback(text, self.stop)
-        if end <= self.sent:
-            return ""
-        chunk, self.sent = text[self.sent:end], end
-        return chunk
 
 
 class _APIKeyMiddleware:
@@ -75,25 +57,6 @@ class _APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-class _AbortingStreamingResponse(StreamingResponse):
-    """Closes its generator however the response ends, so the engine request is aborted now.
-
-    Without this, a write to a vanished client raises out of Starlette's loop and leaves the
-    generator suspended until garbage collection, holding KV blocks meanwhile.
-    """
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
-
-
-def _sse(payload: p.OpenAIModel) -> str:
-    exclude = {"usage"} if getattr(payload, "usage", 0) is None else None
-    return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
 
 
 class OpenAIServer:
@@ -212,7 +175,7 @@ class OpenAIServer:
                                                      body.kv_transfer_params)
         echoes = [self.echo_text(text, ids) if body.echo else "" for text, ids in prompts]
         if body.stream:
-            return _sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
+            return sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
         outs = await c.gather_all([self.final_output(stream, raw) for stream in streams], streams)
         n, k = params[0].n, params[0].logprobs
         choices = []
@@ -241,7 +204,7 @@ class OpenAIServer:
 
         def chunk(index: int, text: str, **kw: Any) -> str:
             choice = p.CompletionChoice(index=index, text=text, **kw)
-            return _sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+            return sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                    choices=[choice]))
 
         try:
@@ -269,12 +232,12 @@ class OpenAIServer:
                                         stop_reason=comp.stop_reason if finished else None)
             if body.include_usage:
                 usage = p.UsageInfo.of(sum(len(ids) for _, ids in prompts), states.completion_tokens())
-                yield _sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                       choices=[], usage=usage))
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:
-            yield _sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
+            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
@@ -285,7 +248,7 @@ class OpenAIServer:
         stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field,
                                    body.kv_transfer_params)
         if body.stream:
-            return _sse_response(self._chat_events(stream, raw, body, params, len(ids)))
+            return sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
         choices = []
         for comp in out.outputs:  # n samples, in index order
@@ -305,7 +268,7 @@ class OpenAIServer:
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
-            return _sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
+            return sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
                                               choices=choices, usage=usage))
 
         try:
@@ -328,7 +291,7 @@ class OpenAIServer:
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:
-            yield _sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
+            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
         yield "data: [DONE]\n\n"
 
 
@@ -345,11 +308,6 @@ def structured_output_errors(field: str | None) -> Iterator[None]:
 def _json(model: p.OpenAIModel) -> Response:
     """Pydantic's JSON (a non-finite logprob becomes null) rather than json.dumps, which rejects it."""
     return Response(model.model_dump_json(), media_type="application/json")
-
-
-def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return _AbortingStreamingResponse(events, media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,

@@ -1,0 +1,141 @@
+"""API server side of the engine core link: token ids in, the engine's `RequestOutput`s out.
+
+The engine core runs every request with `detokenize=False` and without its stop strings: it
+samples, appends token ids and stops on what needs no text (EOS, stop token ids, a grammar's
+end, `max_tokens`, `max_model_len`). `OutputAssembler` turns the core's per-step token deltas
+(`wire.OutputDeltas`) back into cumulative outputs, detokenizing each completion with the same
+`CompletionText` the in-process engine runs, and applies the stop strings in the engine's own
+order of checks, token by token:
+
+1. the token's text is added;
+2. if the core finished the completion on this token for EOS, a stop token or its grammar
+   ("stop"/"abort"), that wins: the engine checks those before the stop strings;
+3. else, past `min_tokens`, a completed stop string ends the completion here ("stop", the
+   text cut) and later tokens of the step (speculative drafts) are dropped, as in-process;
+4. else a "length" finish of the core stands.
+
+A completion that a stop string ended is still running in the core; `Assembled` says what to
+abort there (the request, or one sample of an n > 1 request) so its blocks are freed at once.
+The cumulative logprob is summed here, over the kept tokens in order, as the engine sums it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.sampling.detokenizer import CompletionText
+from kvflow.sampling.params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    text: CompletionText
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Request:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    prompt_logprobs: list | None = None
+    prompt_token_ranks: list | None = None
+
+
+@dataclass
+class Assembled:
+    """One core entry, assembled: the output to deliver, and what a stop string ended that the
+    core still runs (`abort_request`: all of it; `abort_samples`: these samples of n > 1)."""
+
+    output: RequestOutput
+    abort_request: bool = False
+    abort_samples: list[int] = field(default_factory=list)
+
+
+class OutputAssembler:
+    """Rebuilds each step's cumulative `RequestOutput` from the core's token deltas (module docstring)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _Request] = {}
+
+    def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        logprobs = params.logprobs is not None
+        completions = [_Completion(CompletionText(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                  params.stop, params.include_stop_str_in_output),
+                                   logprobs=[] if logprobs else None, cumulative_logprob=0.0 if logprobs else None)
+                       for _ in range(params.n)]
+        self._requests[request_id] = _Request(prompt, prompt_token_ids, params, completions)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def decode(self, entry: list) -> Assembled | None:
+        """The output of one core entry; None when the request is no longer followed here (aborted)."""
+        rid, core_finished, num_cached, m, comps, prompt_lps, ranks = entry
+        req = self._requests.get(rid)
+        if req is None:
+            return None
+        prev_len = len(req.completions[0].text.text)
+        new_ids: list[int] = []
+        stopped_here: list[int] = []
+        for index, toks, lps, reason, stop_reason in comps:
+            c = req.completions[index]
+            if c.finish_reason is not None:  # a stop string ended it already; the core's later tokens are dropped
+                continue
+            kept, by_stop_string = self._add_tokens(c, req.params, toks, lps, reason, stop_reason)
+            if index == 0:
+                new_ids = toks[:kept]
+            if by_stop_string and reason is None:  # the core still runs this sample
+                stopped_here.append(index)
+        if prompt_lps is not None:
+            req.prompt_logprobs, req.prompt_token_ranks = prompt_lps, ranks
+        finished = all(c.finish_reason is not None for c in req.completions)
+        metrics = RequestMetrics(*m)
+        if finished:
+            self.forget(rid)
+            if not core_finished:  # a stop string ended it here: the core has not seen its end
+                metrics.last_token_time = metrics.finished_time = time.time()
+        outputs = [CompletionOutput(i, c.text.text, list(c.token_ids), c.cumulative_logprob,
+                                    None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason)
+                   for i, c in enumerate(req.completions)]
+        single = req.params.n == 1  # new_token_ids/new_text are per-sample notions (as the engine's groups say)
+        text = outputs[0].text
+        out = RequestOutput(rid, req.prompt, req.prompt_token_ids, outputs, finished, metrics,
+                            num_cached_tokens=num_cached, new_token_ids=new_ids if single else [],
+                            new_text=(text[prev_len:] if len(text) >= prev_len else "") if single else "",
+                            prompt_logprobs=req.prompt_logprobs, prompt_token_ranks=req.prompt_token_ranks)
+        if finished:
+            return Assembled(out, abort_request=not core_finished)
+        return Assembled(out, abort_samples=stopped_here)
+
+    @staticmethod
+    def _add_tokens(c: _Completion, params: SamplingParams, toks: list[int], lps: list | None,
+                    reason: str | None, stop_reason: str | int | None) -> tuple[int, bool]:
+        """Append a step's tokens to one completion, in the engine's order of stop checks: how many
+        were kept, and whether a stop string ended it."""
+        last = len(toks) - 1
+        for i, tid in enumerate(toks):
+            c.token_ids.append(tid)
+            if lps is not None and c.logprobs is not None:
+                c.logprobs.append(lps[i])
+                c.cumulative_logprob += lps[i].get(tid, 0.0)
+            c.text.add_token(tid)
+            if i == last and reason is not None and reason != "length":
+                break  # EOS, a stop token or the grammar ended it on this token: checked before stop strings
+            if len(c.token_ids) >= params.min_tokens:
+                stop = c.text.find_stop()
+                if stop is not None:
+                    c.finish_reason, c.stop_reason = "stop", stop
+                    return i + 1, True
+        if reason is not None:
+            c.finish_reason, c.stop_reason = reason, stop_reason
+        return len(toks), False

@@ -1,8 +1,10 @@
 """Decode attention over an int8 KV cache vs a bf16 one: one kernel call, timed.
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), block size 16,
-a shuffled block table over a pool larger than the cache, `--seqs` sequences of `--context`
-tokens each. Prints the median seconds per call of each cache and their ratio.
+a shuffled block table over a pool twice the cache, `--seqs` sequences of `--context` tokens
+each, and one pool per layer (`--layers`, SmolLM2's 30): a timed pass calls every layer's
+cache once, as a decode step does, so the caches are read from memory, not from L3. Prints
+the median time per layer call of each cache and their ratio.
 Run pinned to one core with OMP_NUM_THREADS=1 (docs/benchmarks.md, "int8 KV cache").
 """
 
@@ -41,7 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--seqs", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()
@@ -51,14 +54,25 @@ def main() -> None:
         num_blocks = 2 * args.seqs * -(-context // bs)
         meta = _metadata(args.seqs, context, bs, num_blocks)
         q = torch.randn(args.seqs, heads, dim).bfloat16()
-        bf16 = backend.allocate_kv_caches(1, num_blocks, bs, kv_heads, dim, torch.bfloat16)[0]
-        bf16.normal_()
-        int8 = backend.allocate_kv_caches(1, num_blocks, bs, kv_heads, dim, torch.bfloat16, "int8")[0]
-        kv_int8.write(int8, torch.randn(num_blocks * bs, kv_heads, dim), torch.randn(num_blocks * bs, kv_heads, dim),
-                      torch.arange(num_blocks * bs), kernels)
-        t_bf16 = _time(lambda: kernels.paged_decode_attention(q, bf16[0], bf16[1], meta.block_tables,
-                                                              meta.seq_lens_tensor, dim**-0.5), args.repeat)
-        t_int8 = _time(lambda: kv_int8.paged_attention(kernels, q, int8, meta, dim**-0.5), args.repeat)
+        bf16 = backend.allocate_kv_caches(args.layers, num_blocks, bs, kv_heads, dim, torch.bfloat16)
+        for c in bf16:
+            c.normal_()
+        int8 = backend.allocate_kv_caches(args.layers, num_blocks, bs, kv_heads, dim, torch.bfloat16, "int8")
+        for c in int8:
+            kv_int8.write(c, torch.randn(num_blocks * bs, kv_heads, dim), torch.randn(num_blocks * bs, kv_heads, dim),
+                          torch.arange(num_blocks * bs), kernels)
+        tables, lens = meta.block_tables, meta.seq_lens_tensor
+
+        def run_bf16():
+            for c in bf16:
+                kernels.paged_decode_attention(q, c[0], c[1], tables, lens, dim**-0.5)
+
+        def run_int8():
+            for c in int8:
+                kv_int8.paged_attention(kernels, q, c, meta, dim**-0.5)
+
+        t_bf16 = _time(run_bf16, args.repeat) / args.layers
+        t_int8 = _time(run_int8, args.repeat) / args.layers
         print(f"context {context:5d} x {args.seqs} seqs: bf16 {t_bf16 * 1e3:8.3f} ms  int8 {t_int8 * 1e3:8.3f} ms  "
               f"int8/bf16 time {t_int8 / t_bf16:.2f}x")
 

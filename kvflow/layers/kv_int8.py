@@ -11,11 +11,14 @@ exact in this mode: a token's stored K/V depend only on that token's K/V.
 With SmolLM2's head_dim of 64, a token costs 2 x (64 + 2) bytes per KV head and layer
 instead of 2 x 128 in bf16: 1.94x the tokens in the same memory (3.9x against float32).
 
-Attention always reads the dequantized cache, the chunk's own K/V included (never the fresh
-float K/V), so a row's output does not depend on whether its context was computed in this
-step, an earlier chunk or another request (prefix caching). The compiled kernel
-(csrc/kv_int8.cpp) dequantizes in place, block by block, into float32 and runs the float32
-attention numerics; without the kernels the same dequantized values go through PyTorch.
+Attention always reads the cache, the chunk's own K/V included (never the fresh float K/V),
+so a row's output does not depend on whether its context was computed in this step, an
+earlier chunk or another request (prefix caching). The compiled kernel (csrc/kv_int8.cpp,
+numerics in csrc/int8_attention.h) reads the int8 blocks in place: int8 widened to float32
+in registers, the K scale applied to each score and the V scale to each probability, on
+AVX-512 or through a portable path with the same bits. That agrees with float32 attention over
+the dequantized values to float32 rounding; without the kernels those dequantized values go
+through PyTorch.
 """
 
 from __future__ import annotations

@@ -23,6 +23,16 @@ int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
 int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,
                     void* value_cache, const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads,
                     int64_t head_dim, int64_t block_size, int64_t elem_bytes);
+int kvflow_write_kv_int8(int dtype, const void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                         int8_t* key_cache, uint16_t* key_scales, int8_t* value_cache, uint16_t* value_scales,
+                         const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size);
+int kvflow_paged_attention_int8(int dtype, const void* q, int64_t q_stride, const int8_t* key_cache,
+                                const uint16_t* key_scales, const int8_t* value_cache, const uint16_t* value_scales,
+                                const int64_t* block_tables, int64_t block_table_stride, const int64_t* query_start,
+                                const int64_t* seq_lens, void* out, int64_t out_stride, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale, int portable);
 int kvflow_paged_decode_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
                                   const void* value_cache, const int64_t* block_tables, int64_t block_table_stride,
                                   const int64_t* seq_lens, void* out, int64_t num_seqs, int64_t num_heads,

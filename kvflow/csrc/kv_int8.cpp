@@ -6,28 +6,26 @@
 // beside it one float16 scale per token and KV head for K and for V,
 // [num_blocks, block_size, num_kv_heads]. Element x of a token's head is q * scale.
 //
-// Numerics: each (sequence, KV head) item dequantizes the keys and values its rows see into
-// float32 scratch (q * scale, one rounding), then runs attention_ref.h's float32 attention
-// over that scratch. A row's output is therefore bit for bit what the float32 kernels give
-// over a float32 cache holding the dequantized values: the int8 cache changes what is
-// stored, never how attention is computed, so batch, chunking and prefix-caching invariance
-// carry over unchanged. Reading 1 byte per element instead of 4 (or 2) is where the time
-// goes at long contexts; the dequantization is a pass over data already in cache.
+// Numerics: int8_attention.h. Keys and values are read as int8 and widened to float32 in
+// registers; the K scale multiplies each score and the V scale each probability, so no
+// dequantized copy of the cache is ever written. Work items are (sequence, KV head, up to
+// 64 positions); an item converts its keys' scales once and hands its rows to the kernel a
+// few positions at a time. A row's bits do not depend on the item it lands in.
 //
-// q and out are float32 [T, num_heads, head_dim] (rows q_stride / out_stride elements apart);
-// a bf16 model converts its query rows and the result around this call.
+// q and out are float32 or bf16 [T, num_heads, head_dim] (rows q_stride / out_stride elements
+// apart): the fused decoder stack passes its own rows, the modules theirs.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #include <omp.h>
 
 #include "attention_ref.h"
 #include "common.h"
+#include "int8_attention.h"
 
 namespace {
 
@@ -111,45 +109,99 @@ struct Item {
     int64_t seq, head, row_begin, row_end, keys;  // keys: how many the last row sees
 };
 
-// Prefill rows per item: enough that dequantizing the context is a small share of the work,
-// few enough that one long chunk still spreads over every thread.
+// Prefill positions per item: one long chunk still spreads over every thread, and the item's
+// scales are converted once for many rows.
 constexpr int64_t kRowsPerItem = 64;
 
-// Keys and values [0, len) of KV head h, dequantized into the single-head float32 layout
-// attention_ref.h reads with an identity block table: keys [block][head_dim][block_size],
-// values [block][block_size][head_dim].
-void dequantize_head(const int8_t* key_cache, const uint16_t* key_scales, const int8_t* value_cache,
-                     const uint16_t* value_scales, const int64_t* table, int64_t len, int64_t h, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t block_size, float* keys, float* values) {
-    const int64_t block_elems = block_size * num_kv_heads * head_dim;
-    const int64_t scratch_block = block_size * head_dim;
-    for (int64_t b = 0; b * block_size < len; ++b) {
-        const int64_t n = std::min(block_size, len - b * block_size);
-        const int8_t* kblock = key_cache + table[b] * block_elems;
-        const int8_t* vblock = value_cache + table[b] * block_elems;
-        const uint16_t* ks = key_scales + table[b] * block_size * num_kv_heads + h;
-        const uint16_t* vs = value_scales + table[b] * block_size * num_kv_heads + h;
-        float* kout = keys + b * scratch_block;
-        float* vout = values + b * scratch_block;
-        float kscale[512];  // block sizes above 512 take the slow path below
-        const bool cached = block_size <= 512;
-        if (cached)
-            for (int64_t t = 0; t < n; ++t) kscale[t] = half_to_float(ks[t * num_kv_heads]);
-        for (int64_t d = 0; d < head_dim; ++d) {
-            // Dim d of key t: cell (h, d / 4) of the block, slot t, byte d % 4 (common.h, key_offset).
-            const int8_t* cells = kblock + ((h * (head_dim / 4) + d / 4) * block_size) * 4 + d % 4;
-            float* row = kout + d * block_size;
-            for (int64_t t = 0; t < n; ++t)
-                row[t] = static_cast<float>(cells[4 * t]) * (cached ? kscale[t] : half_to_float(ks[t * num_kv_heads]));
-            std::fill(row + n, row + block_size, 0.f);
+// The float16 scales of keys [0, len) of KV head h as float32 (exactly), zero up to `padded`.
+void item_scales(const uint16_t* scales, const int64_t* table, int64_t len, int64_t padded, int64_t h,
+                 int64_t num_kv_heads, int64_t block_size, float* out) {
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const uint16_t* s = scales + table[t0 / block_size] * block_size * num_kv_heads + h;
+        const int64_t n = std::min(block_size, len - t0);
+#if defined(KVFLOW_AVX512F)
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            alignas(32) uint16_t halves[16];
+            for (int j = 0; j < 16; ++j) halves[j] = s[(i + j) * num_kv_heads];
+            _mm512_storeu_ps(out + t0 + i,
+                             _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(halves))));
         }
-        for (int64_t t = 0; t < n; ++t) {
-            const int8_t* src = vblock + (t * num_kv_heads + h) * head_dim;
-            const float s = half_to_float(vs[t * num_kv_heads]);
-            float* dst = vout + t * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * s;
+        for (; i < n; ++i) out[t0 + i] = half_to_float(s[i * num_kv_heads]);
+#else
+        for (int64_t i = 0; i < n; ++i) out[t0 + i] = half_to_float(s[i * num_kv_heads]);
+#endif
+    }
+    std::fill(out + len, out + padded, 0.f);
+}
+
+template <typename Dt>
+void attention_int8(const typename Dt::T* q, int64_t q_stride, const int8_t* key_cache, const uint16_t* key_scales,
+                    const int8_t* value_cache, const uint16_t* value_scales, const int64_t* block_tables,
+                    int64_t block_table_stride, const int64_t* query_start, const int64_t* seq_lens,
+                    typename Dt::T* out, int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t block_size, float scale, bool portable) {
+    namespace ia = kvflow::int8attn;
+    const int64_t group = num_heads / num_kv_heads, D = head_dim;
+#if defined(KVFLOW_AVX512F)
+    const ia::AttendFn fast = portable || D % 16 != 0 ? nullptr : ia::attend_for(D / 16);
+#endif
+    std::vector<Item> items;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t rows = query_start[s + 1] - query_start[s];
+        const int64_t context = seq_lens[s] - rows;  // keys before the first row's own
+        for (int64_t r = 0; r < rows; r += kRowsPerItem) {
+            const int64_t end = std::min(rows, r + kRowsPerItem);
+            for (int64_t h = 0; h < num_kv_heads; ++h)
+                items.push_back({s, h, query_start[s] + r, query_start[s] + end, context + end});
         }
-        std::fill(vout + n * head_dim, vout + scratch_block, 0.f);
+    }
+    // The most keys first, taken dynamically: threads finish within about one short item.
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    const int64_t positions_per_call = std::max<int64_t>(1, ia::kMaxRows / group);
+    const int64_t block_elems = block_size * num_kv_heads * D;
+
+#pragma omp parallel
+    {
+        std::vector<float> ks, vs, scores, qf(static_cast<size_t>(ia::kMaxRows * D)),
+            acc(static_cast<size_t>(ia::kMaxRows * D)), res(static_cast<size_t>(ia::kMaxRows * D));
+        std::vector<int8_t> gather(static_cast<size_t>(4 * D * 16));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; ++i) {
+            const Item& it = items[static_cast<size_t>(i)];
+            const int64_t* table = block_tables + it.seq * block_table_stride;
+            const int64_t ld = kvflow::ref::score_stride(it.keys);
+            if (static_cast<int64_t>(ks.size()) < ld) {
+                ks.resize(static_cast<size_t>(ld));
+                vs.resize(static_cast<size_t>(ld));
+            }
+            item_scales(key_scales, table, it.keys, ld, it.head, num_kv_heads, block_size, ks.data());
+            item_scales(value_scales, table, it.keys, ld, it.head, num_kv_heads, block_size, vs.data());
+            scores.resize(static_cast<size_t>(ia::kMaxRows * ld));
+            const ia::HeadCache cache{key_cache + it.head * (D / 4) * block_size * 4, value_cache + it.head * D, table,
+                                      D, block_size, num_kv_heads * D, block_elems};
+            const int64_t first_len = seq_lens[it.seq] - (query_start[it.seq + 1] - it.row_begin) + 1;
+            for (int64_t row = it.row_begin; row < it.row_end; row += positions_per_call) {
+                const int64_t positions = std::min(positions_per_call, it.row_end - row);
+                int64_t lens[ia::kMaxRows];
+                for (int64_t p = 0; p < positions; ++p) lens[p] = first_len + (row - it.row_begin) + p;
+                for (int64_t p = 0; p < positions; ++p)  // row r = (position p, head j): q as float32
+                    for (int64_t e = 0; e < group * D; ++e)
+                        qf[p * group * D + e] = Dt::load(q[(row + p) * q_stride + it.head * group * D + e]);
+                const ia::Rows x{qf.data(), positions * group, group, lens, ks.data(), vs.data(), scale,
+                                 scores.data(), ld, acc.data(), res.data()};
+#if defined(KVFLOW_AVX512F)
+                if (fast != nullptr)
+                    fast(cache, x, gather.data());
+                else
+#endif
+                    ia::attend_portable(cache, x);
+                for (int64_t p = 0; p < positions; ++p)
+                    for (int64_t e = 0; e < group * D; ++e)
+                        out[(row + p) * out_stride + it.head * group * D + e] = Dt::store(res[p * group * D + e]);
+            }
+        }
     }
 }
 
@@ -182,64 +234,29 @@ int kvflow_write_kv_int8(int dtype, const void* k, int64_t k_stride, const void*
 // Attention of every query row of the batch: sequence s has rows [query_start[s],
 // query_start[s + 1]), the last at position seq_lens[s] - 1, each seeing the keys up to and
 // including its own (decode rows are one-row sequences). The step's K/V are already written.
-// Returns -1 for a shape the scratch layout cannot take.
-int kvflow_paged_attention_int8(const float* q, int64_t q_stride, const int8_t* key_cache, const uint16_t* key_scales,
-                                const int8_t* value_cache, const uint16_t* value_scales, const int64_t* block_tables,
-                                int64_t block_table_stride, const int64_t* query_start, const int64_t* seq_lens,
-                                float* out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
-    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kvflow::ref::kMaxRefRows ||
-        head_dim % 4 != 0 || block_size < 1)
+// q and out: [T, num_heads, head_dim] rows q_stride / out_stride elements apart, in dtype
+// (0 float32, 1 bf16; computed in float32, int8_attention.h). portable != 0 forces the
+// portable implementation (for tests). Returns -1 for a shape it cannot take, -2 for a dtype.
+int kvflow_paged_attention_int8(int dtype, const void* q, int64_t q_stride, const int8_t* key_cache,
+                                const uint16_t* key_scales, const int8_t* value_cache, const uint16_t* value_scales,
+                                const int64_t* block_tables, int64_t block_table_stride, const int64_t* query_start,
+                                const int64_t* seq_lens, void* out, int64_t out_stride, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale, int portable) {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kvflow::int8attn::kMaxRows ||
+        head_dim % 4 != 0 || head_dim > 1024 || block_size < 1)
         return -1;
-    const int64_t group = num_heads / num_kv_heads;
-    std::vector<Item> items;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t rows = query_start[s + 1] - query_start[s];
-        const int64_t context = seq_lens[s] - rows;  // keys before the first row's own
-        for (int64_t r = 0; r < rows; r += kRowsPerItem) {
-            const int64_t end = std::min(rows, r + kRowsPerItem);
-            for (int64_t h = 0; h < num_kv_heads; ++h)
-                items.push_back({s, h, query_start[s] + r, query_start[s] + end, context + end});
-        }
-    }
-    // The most keys first, taken dynamically: threads finish within about one short item.
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
-    const int64_t num_items = static_cast<int64_t>(items.size());
-
-#pragma omp parallel
-    {
-        std::vector<float> keys, values, scores, acc(static_cast<size_t>(kvflow::ref::kRefPositions * group * head_dim));
-        std::vector<int64_t> identity;
-        std::vector<const float*> vrows;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; ++i) {
-            const Item& it = items[static_cast<size_t>(i)];
-            const int64_t num_blocks = (it.keys + block_size - 1) / block_size;
-            const size_t scratch = static_cast<size_t>(num_blocks * block_size * head_dim);
-            if (keys.size() < scratch) {
-                keys.resize(scratch);
-                values.resize(scratch);
-            }
-            if (static_cast<int64_t>(identity.size()) < num_blocks) {
-                identity.resize(static_cast<size_t>(num_blocks));
-                std::iota(identity.begin(), identity.end(), int64_t{0});
-            }
-            dequantize_head(key_cache, key_scales, value_cache, value_scales, block_tables + it.seq * block_table_stride,
-                            it.keys, it.head, num_kv_heads, head_dim, block_size, keys.data(), values.data());
-            scores.resize(static_cast<size_t>(kvflow::ref::kRefPositions * group * kvflow::ref::score_stride(it.keys)));
-            vrows.resize(static_cast<size_t>(it.keys));
-            const int64_t first_len = seq_lens[it.seq] - (query_start[it.seq + 1] - it.row_begin) + 1;
-            for (int64_t row = it.row_begin; row < it.row_end; row += kvflow::ref::kRefPositions) {
-                const int64_t positions = std::min(kvflow::ref::kRefPositions, it.row_end - row);
-                int64_t lens[kvflow::ref::kRefPositions];
-                for (int64_t p = 0; p < positions; ++p) lens[p] = first_len + (row - it.row_begin) + p;
-                kvflow::ref::attend_rows<F32>(q + row * q_stride + it.head * group * head_dim, q_stride, positions, group,
-                                              lens, keys.data(), values.data(), identity.data(),
-                                              out + row * out_stride + it.head * group * head_dim, out_stride,
-                                              head_dim, block_size, head_dim, block_size * head_dim, scale,
-                                              scores.data(), acc.data(), vrows.data());
-            }
-        }
+    if (dtype == 0) {
+        attention_int8<F32>(static_cast<const float*>(q), q_stride, key_cache, key_scales, value_cache, value_scales,
+                            block_tables, block_table_stride, query_start, seq_lens, static_cast<float*>(out),
+                            out_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, portable != 0);
+    } else if (dtype == 1) {
+        attention_int8<kvflow::BF16>(static_cast<const uint16_t*>(q), q_stride, key_cache, key_scales, value_cache,
+                                     value_scales, block_tables, block_table_stride, query_start, seq_lens,
+                                     static_cast<uint16_t*>(out), out_stride, num_seqs, num_heads, num_kv_heads,
+                                     head_dim, block_size, scale, portable != 0);
+    } else {
+        return -2;
     }
     return 0;
 }

@@ -12,7 +12,8 @@
 // Per layer, on the step's tokens (rows of the flat batch):
 //   h   = rmsnorm(residual += x)              (layer 0: residual = x, h = rmsnorm(x))
 //   qkv = h @ Wqkv^T (+ bias)                 q/k rotated in place, k/v written to the paged cache
-//   a   = attention: decodes first, then prefill chunks over the paged cache
+//   a   = attention: decodes first, then prefill chunks over the paged cache (an int8 cache:
+//         k/v quantized into it, then one call for decodes and chunks, as kv_int8.py does)
 //   x   = a @ Wo^T;  h = rmsnorm(residual += x)
 //   x   = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 // and at the end out = rmsnorm(residual += x) with the final norm.
@@ -57,6 +58,8 @@ struct KvflowLlamaLayer {
     const KvflowQuantLinear* o_proj_q;
     const KvflowQuantLinear* gate_up_q;
     const KvflowQuantLinear* down_q;
+    uint16_t* key_scales;  // an int8 cache's float16 scales [num_blocks, block_size, num_kv_heads]; else null
+    uint16_t* value_scales;
 };
 
 struct KvflowLlamaShape {
@@ -66,6 +69,7 @@ struct KvflowLlamaShape {
     const float* cos;  // [max_position, head_dim] float32 rotary tables
     const float* sin;
     const void* final_norm;
+    int64_t kv_int8;  // 1: the KV caches are int8 with scales (layers/kv_int8.py), else in `dtype`
 };
 
 // One step's flat batch: decodes first, then prefill chunks (as the model runner builds it).
@@ -122,19 +126,30 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
                                  step->positions, shape->cos, shape->sin, tokens, D, shape->max_position));
-        KVFLOW_TRY(kvflow_write_kv(k, qkv_size * sizeof(T), v, qkv_size * sizeof(T), L.key_cache, L.value_cache,
-                                   step->slot_mapping, tokens, shape->num_kv_heads, D, shape->block_size,
-                                   sizeof(T)));
-        if (nd > 0)
-            KVFLOW_TRY(kvflow_paged_decode_attention(dt, q, qkv_size, L.key_cache, L.value_cache,
-                                                     step->block_tables, step->block_table_stride, step->seq_lens,
-                                                     attn, nd, shape->num_heads, shape->num_kv_heads, D,
-                                                     shape->block_size, shape->scale, 0));
-        if (num_prefills > 0)
-            KVFLOW_TRY(kvflow_paged_prefill_attention(
-                dt, q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
-                step->block_table_stride, step->query_start + nd, step->seq_lens + nd, attn, q_size, num_prefills,
-                shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
+        if (shape->kv_int8 != 0) {
+            int8_t* kc = static_cast<int8_t*>(L.key_cache);
+            int8_t* vc = static_cast<int8_t*>(L.value_cache);
+            KVFLOW_TRY(kvflow_write_kv_int8(dt, k, qkv_size, v, qkv_size, kc, L.key_scales, vc, L.value_scales,
+                                            step->slot_mapping, tokens, shape->num_kv_heads, D, shape->block_size));
+            KVFLOW_TRY(kvflow_paged_attention_int8(dt, q, qkv_size, kc, L.key_scales, vc, L.value_scales,
+                                                   step->block_tables, step->block_table_stride, step->query_start,
+                                                   step->seq_lens, attn, q_size, step->num_seqs, shape->num_heads,
+                                                   shape->num_kv_heads, D, shape->block_size, shape->scale, 0));
+        } else {
+            KVFLOW_TRY(kvflow_write_kv(k, qkv_size * sizeof(T), v, qkv_size * sizeof(T), L.key_cache, L.value_cache,
+                                       step->slot_mapping, tokens, shape->num_kv_heads, D, shape->block_size,
+                                       sizeof(T)));
+            if (nd > 0)
+                KVFLOW_TRY(kvflow_paged_decode_attention(dt, q, qkv_size, L.key_cache, L.value_cache,
+                                                         step->block_tables, step->block_table_stride, step->seq_lens,
+                                                         attn, nd, shape->num_heads, shape->num_kv_heads, D,
+                                                         shape->block_size, shape->scale, 0));
+            if (num_prefills > 0)
+                KVFLOW_TRY(kvflow_paged_prefill_attention(
+                    dt, q, qkv_size, L.key_cache, L.value_cache, step->block_tables + nd * step->block_table_stride,
+                    step->block_table_stride, step->query_start + nd, step->seq_lens + nd, attn, q_size, num_prefills,
+                    shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
+        }
         KVFLOW_TRY(gemm(attn, tokens, q_size, L.o_proj, L.o_proj_q, H, nullptr, y));
         KVFLOW_TRY(kvflow_add_rms_norm(dt, y, x, L.post_norm, h, tokens, H, shape->eps));
         KVFLOW_TRY(gemm(h, tokens, H, L.gate_up, L.gate_up_q, 2 * inter, nullptr, wide));

@@ -11,11 +11,14 @@ exact in this mode: a token's stored K/V depend only on that token's K/V.
 With SmolLM2's head_dim of 64, a token costs 2 x (64 + 2) bytes per KV head and layer
 instead of 2 x 128 in bf16: 1.94x the tokens in the same memory (3.9x against float32).
 
-Attention always reads the dequantized cache, the chunk's own K/V included (never the fresh
-float K/V), so a row's output does not depend on whether its context was computed in this
-step, an earlier chunk or another request (prefix caching). The compiled kernel
-(csrc/kv_int8.cpp) dequantizes in place, block by block, into float32 and runs the float32
-attention numerics; without the kernels the same dequantized values go through PyTorch.
+Attention always reads the cache, the chunk's own K/V included (never the fresh float K/V),
+so a row's output does not depend on whether its context was computed in this step, an
+earlier chunk or another request (prefix caching). The compiled kernel (csrc/kv_int8.cpp,
+numerics in csrc/int8_attention.h) reads the int8 blocks in place: int8 widened to float32
+in registers, the K scale applied to each score and the V scale to each probability, on
+AVX-512 or through a portable path with the same bits. That agrees with float32 attention over
+the dequantized values to float32 rounding; without the kernels those dequantized values go
+through PyTorch.
 """
 
 from __future__ import annotations
@@ -111,8 +114,8 @@ def write(cache: Int8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "kvflow_paged_attention_int8": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                    _I64, _I64, _I64, ctypes.c_float],
+    "kvflow_paged_attention_int8": [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                    _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
     "kvflow_write_kv_int8": [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
 }
 
@@ -125,25 +128,26 @@ def _entry_point(lib: ctypes.CDLL, name: str):
     return fn
 
 
-def paged_attention(kernels, q: torch.Tensor, cache: Int8KVCache, meta, scale: float) -> torch.Tensor:
+def paged_attention(kernels, q: torch.Tensor, cache: Int8KVCache, meta, scale: float,
+                    portable: bool = False) -> torch.Tensor:
     """Every query row of the step against its sequence's cached keys (its own included),
-    through the compiled kernel. q [T, heads, head_dim] in any float dtype; the result is in
-    q's dtype (computed in float32)."""
-    q32 = q.float()
-    if not heads_contiguous(q32):
-        q32 = q32.contiguous()
-    out = torch.empty(q32.shape, dtype=torch.float32)
+    through the compiled kernel, which reads the int8 blocks in place (csrc/int8_attention.h).
+    q [T, heads, head_dim] in any float dtype; the result is in q's dtype (computed in float32
+    from q's exact float32 value, so a bf16 q gives the float32 run's rows rounded to bf16).
+    `portable` forces the portable implementation (tests check it gives the same bits)."""
+    qk = q if q.dtype in DTYPE_CODES and heads_contiguous(q) else q.float().contiguous()
+    out = torch.empty(qk.shape, dtype=qk.dtype)
     _, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
     tables = meta.block_tables.contiguous()
     rc = _entry_point(kernels.lib, "kvflow_paged_attention_int8")(
-        q32.data_ptr(), q32.stride(0), cache.data[0].data_ptr(), cache.scales[0].data_ptr(), cache.data[1].data_ptr(),
-        cache.scales[1].data_ptr(), tables.data_ptr(), tables.stride(0), meta.query_start_tensor.data_ptr(),
-        meta.seq_lens_tensor.data_ptr(), out.data_ptr(), out.stride(0), meta.num_seqs, q.shape[1], num_kv_heads,
-        head_dim, block_size, scale)
+        DTYPE_CODES[qk.dtype], qk.data_ptr(), qk.stride(0), cache.data[0].data_ptr(), cache.scales[0].data_ptr(),
+        cache.data[1].data_ptr(), cache.scales[1].data_ptr(), tables.data_ptr(), tables.stride(0),
+        meta.query_start_tensor.data_ptr(), meta.seq_lens_tensor.data_ptr(), out.data_ptr(), out.stride(0),
+        meta.num_seqs, q.shape[1], num_kv_heads, head_dim, block_size, scale, int(portable))
     if rc != 0:
         raise ValueError(f"int8 paged attention: unsupported shape (heads {q.shape[1]}, kv heads {num_kv_heads}, "
                          f"head_dim {head_dim})")
-    return out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def kernel_supports(kernels, num_heads: int, num_kv_heads: int) -> bool:

@@ -10,7 +10,9 @@ bit the modules' (tests/models/test_llama_fused.py compares them).
 It is built once after the weights are packed, and only where every op has its kernel:
 weights packed for kvflow's GEMM (bf16 or float32) or quantized weights in its tiles (bf16,
 `quantization/tiles.py`), no per-head q/k norm, the CPU attention
-backend with its kernels, and attention shapes the decode and prefill kernels take.
+backend with its kernels, and attention shapes the decode and prefill kernels take. KV caches
+in the model's dtype or int8 (`kv_cache_dtype="int8"`: the stack quantizes K/V into them and
+runs the int8 attention kernel, as `CPUAttentionBackend._forward_int8` does).
 Anything else (other dtypes, other CPUs, KVFLOW_FUSED_STACK=0) keeps the module path, and so
 does a step whose tensors don't fit (logged once): `steps_run` / `steps_declined` count both.
 
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from kvflow.config import ModelConfig
-from kvflow.layers import cpu_kernels
+from kvflow.layers import cpu_kernels, kv_int8
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
 from kvflow.layers.norm import RMSNorm
 
@@ -47,13 +49,15 @@ _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 class _Layer(ctypes.Structure):  # KvflowLlamaLayer
     _fields_ = [*((name, _ptr) for name in (
         "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "key_cache", "value_cache")),
-        *((f"{name}_q", ctypes.POINTER(_QuantLinear)) for name in _LINEARS)]
+        *((f"{name}_q", ctypes.POINTER(_QuantLinear)) for name in _LINEARS),
+        ("key_scales", _ptr), ("value_scales", _ptr)]
 
 
 class _Shape(ctypes.Structure):  # KvflowLlamaShape
     _fields_ = [*((name, _i64) for name in ("dtype", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                              "intermediate", "block_size", "max_position")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+                ("kv_int8", _i64)]
 
 
 class _Step(ctypes.Structure):  # KvflowStep
@@ -150,8 +154,7 @@ class FusedLlamaStack:
         """Final normed hidden states [T, hidden]; None when this step's tensors don't fit (the
         caller then runs the modules). x (the embeddings) is used as scratch."""
         reason = self._unfit(x, positions, meta) or (None if self._bind_caches(kv_caches, meta.block_size)
-                                                     else "KV caches of another shape or dtype, e.g. "
-                                                          "kv_cache_dtype=int8, which the fused stack does not read")
+                                                     else "KV caches of another shape or dtype")
         if reason is not None:
             if self.steps_declined == 0:
                 logger.warning("fused Llama stack: step runs on the modules instead (%s)", reason)
@@ -183,17 +186,33 @@ class FusedLlamaStack:
             return "metadata shapes disagree with the batch"
         return None
 
-    def _bind_caches(self, kv_caches: list[torch.Tensor], block_size: int) -> bool:
-        """Point each layer at its KV cache; the runner passes the same tensors every step."""
+    def _bind_caches(self, kv_caches: list, block_size: int) -> bool:
+        """Point each layer at its KV cache (tensors in the model's dtype, or int8 caches with
+        their scales); the runner passes the same caches every step."""
         if len(kv_caches) == len(self._caches) and all(a is b for a, b in zip(kv_caches, self._caches)):
             return True
-        expected = (2, block_size, self.shape.num_kv_heads, self.shape.head_dim)
-        if len(kv_caches) != len(self.layers) or not all(
-                isinstance(c, torch.Tensor) and c.dtype == self.dtype and c.is_contiguous() and (c.shape[0], *c.shape[2:]) == expected
-                for c in kv_caches):
+        heads = (self.shape.num_kv_heads, self.shape.head_dim)
+        int8 = bool(kv_caches) and isinstance(kv_caches[0], kv_int8.Int8KVCache)
+
+        def fits(c) -> bool:
+            if int8:
+                return (isinstance(c, kv_int8.Int8KVCache) and c.data.dtype == torch.int8 and c.data.is_contiguous()
+                        and c.data.shape[0] == 2 and tuple(c.data.shape[2:]) == (block_size, *heads)
+                        and c.scales.dtype == torch.float16 and c.scales.is_contiguous()
+                        and tuple(c.scales.shape) == (*c.data.shape[:-1],))
+            return (isinstance(c, torch.Tensor) and c.dtype == self.dtype and c.is_contiguous()
+                    and (c.shape[0], *c.shape[2:]) == (2, block_size, *heads))
+
+        if len(kv_caches) != len(self.layers) or not all(fits(c) for c in kv_caches):
+            return False
+        if int8 and not kv_int8.kernel_supports(cpu_kernels.load(), self.shape.num_heads, self.shape.num_kv_heads):
             return False
         for entry, cache in zip(self.layers, kv_caches):
-            entry.key_cache, entry.value_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            data = cache.data if int8 else cache
+            entry.key_cache, entry.value_cache = data[0].data_ptr(), data[1].data_ptr()
+            entry.key_scales = cache.scales[0].data_ptr() if int8 else None
+            entry.value_scales = cache.scales[1].data_ptr() if int8 else None
         self._caches = list(kv_caches)
         self.shape.block_size = block_size
+        self.shape.kv_int8 = int(int8)
         return True

@@ -88,12 +88,17 @@ def head_dim_64_llama(tmp_path_factory) -> str:
     return save_random_model(cfg, tmp_path_factory.mktemp("tiny-llama-d64"), seed=4321)[0]
 
 
-def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype: torch.dtype) -> None:
+def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype: torch.dtype,
+                                 kv_cache_dtype: str = "auto") -> None:
     cfg, model = _model(path, dtype)
     fused_stack = model.fused_stack
     assert fused_stack is not None, "the fused stack should apply to this model"
     caches = {}
     for name in ("fused", "modules"):
+        if kv_cache_dtype == "int8":
+            caches[name] = CPUAttentionBackend().allocate_kv_caches(
+                cfg.num_hidden_layers, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype, "int8")
+            continue
         caches[name] = [torch.full((2, num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim), float("nan"),
                                    dtype=dtype) for _ in range(cfg.num_hidden_layers)]
     rng = random.Random(0)
@@ -109,7 +114,10 @@ def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype:
             assert not fused.isnan().any()
             assert torch.equal(fused, modules), f"step {i} ({len(seqs)} sequences) differs"
             for a, b in zip(caches["fused"], caches["modules"]):
-                assert torch.equal(a.nan_to_num(), b.nan_to_num())
+                if kv_cache_dtype == "int8":
+                    assert torch.equal(a.data, b.data) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
+                else:
+                    assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert fused_stack.steps_declined == 0
 
 
@@ -122,6 +130,15 @@ def test_fused_stack_equals_modules_bitwise(arch, dtype, tiny_models):
 @DTYPES
 def test_fused_stack_equals_modules_bitwise_head_dim_64_many_sequences(head_dim_64_llama, dtype):
     _assert_fused_equals_modules(head_dim_64_llama, _many_sequence_steps(), num_blocks=60, dtype=dtype)
+
+
+@DTYPES
+def test_fused_stack_with_an_int8_kv_cache_equals_modules_bitwise(head_dim_64_llama, dtype, tiny_models):
+    """kv_cache_dtype="int8": the stack quantizes K/V into the int8 pool and runs the int8
+    attention kernel, as the modules do, instead of declining the step."""
+    _assert_fused_equals_modules(head_dim_64_llama, _many_sequence_steps(), num_blocks=60, dtype=dtype,
+                                 kv_cache_dtype="int8")
+    _assert_fused_equals_modules(tiny_models("llama")[0], STEPS, num_blocks=12, dtype=dtype, kv_cache_dtype="int8")
 
 
 def test_fused_stack_declines_a_step_it_cannot_take(tiny_models):

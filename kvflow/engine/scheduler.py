@@ -96,19 +96,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the step --------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: set[Sequence] | None = None, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next batch. A pipeline (engine/batch_queue.py) passes the sequences of the batches
+        still in flight, which are neither scheduled (their next token is not known yet) nor
+        preempted (their blocks are being written), and a cap on this batch's sequences."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: dict[str, ScheduledSequence] = {}
+        cap = max_seqs if max_seqs is not None else self.config.max_num_seqs
 
         for seq in sorted(self.running, key=lambda s: (s.is_prefill, s.sort_key())):
-            if budget == 0:
+            if budget == 0 or len(out.scheduled) >= cap:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if in_flight and seq in in_flight:
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
-                victim = max(self.running, key=Sequence.sort_key)
+                victim = max(self.running if not in_flight else [s for s in self.running if s not in in_flight],
+                             key=Sequence.sort_key)
                 undone = scheduled_ids.pop(victim.request_id, None)
                 if undone is not None:
                     out.scheduled.remove(undone)
@@ -124,7 +131,8 @@ class Scheduler:
             scheduled_ids[seq.request_id] = item
             budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.scheduled) < cap):
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not bounce a sequence straight back in the step that evicted it

@@ -62,6 +62,10 @@ class Executor(ABC):
     def worker_pids(self) -> list[int]:
         ...
 
+    # Per rank, what it said when ready: {"pid", "rank", "fused_stack"} (whether its layers run
+    # as one C++ call); filled at start-up.
+    worker_info: list[dict]
+
 
 def worker_start_method() -> str:
     """"spawn" (the default: a fresh interpreter per rank, safe whatever threads the driver
@@ -115,6 +119,7 @@ class MPExecutor(Executor):
         return [p.pid for p in self._procs]
 
     def _wait_ready(self, timeout_s: float) -> None:
+        self.worker_info = [{} for _ in self._procs]
         pending = set(range(len(self._procs)))
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -131,6 +136,7 @@ class MPExecutor(Executor):
                         kind, payload = "error", "its pipe closed"
                     if kind == "error":
                         self._fail(f"worker rank {rank} failed to start: {payload}", start=True)
+                    self.worker_info[rank] = payload
                     pending.discard(rank)
                 elif self._procs[rank].sentinel in ready:
                     self._procs[rank].join(1)

@@ -40,14 +40,14 @@ class _RankActor:
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
-    def start(self, init_method: str) -> int:
+    def start(self, init_method: str) -> dict:
         from kvflow.distributed.parallel_state import init_parallel_state
         from kvflow.distributed.worker import build_stage
 
         spec = dataclasses.replace(self.spec, init_method=init_method)
         state = init_parallel_state(self.rank, spec.parallel, init_method, timeout_s=spec.collective_timeout_s)
         self.runner = build_stage(spec, self.rank, state)
-        return os.getpid()
+        return {"pid": os.getpid(), "rank": self.rank, "fused_stack": self.runner.fused is not None}
 
     def execute(self, msg: StepMessage) -> StepResult | None:
         return self.runner.execute(msg)
@@ -103,14 +103,14 @@ class RayExecutor(Executor):
             for rank in range(world_size)]
         try:
             init_method = ray.get(self._actors[0].rendezvous.remote(), timeout=start_timeout_s)
-            self._pids = ray.get([a.start.remote(init_method) for a in self._actors], timeout=start_timeout_s)
+            self.worker_info = ray.get([a.start.remote(init_method) for a in self._actors], timeout=start_timeout_s)
         except Exception as exc:
             self._kill()
             raise RuntimeError(f"a Ray worker failed to start: {exc}") from exc
 
     @property
     def worker_pids(self) -> list[int]:
-        return list(self._pids)
+        return [info["pid"] for info in self.worker_info]
 
     def submit(self, msg: StepMessage) -> None:
         """One `execute` call per actor; an actor runs its calls in the order they were made, so

@@ -8,8 +8,10 @@ with the same tie rule as the single-process engine, and every KV block must be 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.layers import cpu_kernels
 from tests.conftest import assert_greedy_match, check_greedy_run
 from tests.distributed.conftest import NEW_TOKENS, engine_kwargs
 
@@ -30,6 +32,10 @@ def _run_layout(model, tp: int, pp: int) -> LLM:
     check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} alone", [len(prompts) - 1])
     if pp > 1:  # the stages overlapped: P batches were in flight at once (engine/batch_queue.py)
         assert llm.engine.batch_queue.peak_in_flight == pp
+    fused = [info["fused_stack"] for info in llm.engine.distributed.executor.worker_info]
+    kernels = cpu_kernels.load()
+    # T = 1: each stage's layers in one C++ call where the CPU has the float32 GEMM; T > 1: the modules
+    assert fused == [tp == 1 and kernels is not None and kernels.has_gemm(torch.float32)] * (tp * pp)
     return llm
 
 

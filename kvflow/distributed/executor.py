@@ -192,7 +192,6 @@ class MPExecutor(Executor):
             raise WorkerFailedError(f"the distributed executor is down: {self.failure}")
         if self._in_flight == 0:
             raise RuntimeError("collect() without a submitted step")
-        self._in_flight -= 1
         deadline = time.monotonic() + self.step_timeout_s
         out = self._conns[self.output_rank]
         watched = self._conns + [p.sentinel for p in self._procs]
@@ -209,6 +208,7 @@ class MPExecutor(Executor):
                     if kind == "error":
                         self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) failed: {payload}")
                     if rank == self.output_rank:
+                        self._in_flight -= 1  # only now: an interrupted wait leaves the reply to the next collect
                         return payload
             for rank, proc in enumerate(self._procs):
                 if proc.sentinel in ready and not out.poll():

@@ -123,7 +123,7 @@ class RayExecutor(Executor):
     def collect(self) -> StepResult:
         if self.failure is not None:
             raise WorkerFailedError(f"the distributed executor is down: {self.failure}")
-        ray, refs = self._ray, self._in_flight.popleft()
+        ray, refs = self._ray, self._in_flight[0]  # popped once answered: an interrupt leaves it first
         pending, deadline = list(refs), time.monotonic() + self.step_timeout_s
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
@@ -134,7 +134,9 @@ class RayExecutor(Executor):
                     self._fail(f"Ray worker rank {refs.index(ref)} failed: {exc}")
             if pending and time.monotonic() > deadline:
                 self._fail(f"the step took over {self.step_timeout_s:.0f} s (KVFLOW_STEP_TIMEOUT); a worker is stuck")
-        return ray.get(refs[self.output_rank])
+        result = ray.get(refs[self.output_rank])
+        self._in_flight.popleft()
+        return result
 
     def _fail(self, why: str) -> None:
         self.failure = why

@@ -83,9 +83,10 @@ class BatchQueue:
         while it was in flight. None when nothing is in flight."""
         if not self._batches:
             return None
-        batch = self._batches.popleft()
+        batch = self._batches[0]
+        result = self.runner.collect(batch.pending)  # an interrupt here leaves the batch first in line
+        self._batches.popleft()
         self._in_flight.difference_update(item.seq for item in batch.sched.scheduled)
-        result = self.runner.collect(batch.pending)
         live = [item for item in batch.sched.scheduled if not item.seq.status.is_finished]
         if len(live) < len(batch.sched.scheduled):
             result = StepOutput([r for r in result.sampled if not r.seq.status.is_finished], result.prompt_logprobs)

@@ -8,7 +8,9 @@ then unfinished prefills, whose remaining prompt is cut to what the budget has l
 sequence as headroom, so an admission does not force a preemption on the next decode); each starts after the longest prefix
 the cache already holds. When a running sequence needs a block and none is free, the
 lowest-priority running sequence (latest arrival under FCFS) is preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed later.
+freed and it goes back to the front of the queue to be recomputed later. Under pipeline
+parallelism several batches are in flight at once (engine/batch_queue.py): the sequences of
+those are skipped, and never chosen as victims, until their tokens are back.
 """
 
 from __future__ import annotations

@@ -246,6 +246,9 @@ class MPExecutor(Executor):
         if self.failure is not None or not self._procs:
             return
         self.failure = "shut down"
+        if self._sender is not None:  # let it finish its sends first: two writers would interleave on a pipe
+            self._outbox.put(None)
+            self._sender.join(5)
         for conn in self._conns:
             try:
                 conn.send(("stop", None))

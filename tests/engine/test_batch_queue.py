@@ -94,6 +94,31 @@ def test_a_sequence_aborted_in_flight_is_dropped_and_the_rest_is_exact():
     assert {k: v for k, v in outputs.items() if k != aborted} == {k: v for k, v in expected.items() if k != aborted}
 
 
+def test_an_interrupted_wait_leaves_the_batch_first_in_line():
+    """Ctrl-C while waiting for a reply: the next pop still answers that batch, not the one after."""
+    h = Harness(num_blocks=64, block_size=4)
+    for i in range(4):
+        h.add(f"r{i}", [1 + i, 2, 3], 12)
+    runner = FakePipelineRunner(h)
+    queue = BatchQueue(h.sched, runner, 2)
+    queue.fill()
+    first = [it.seq for it in queue._batches[0].sched.scheduled]
+    collect, calls = runner.collect, []
+
+    def interrupted_once(pending):
+        calls.append(pending)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return collect(pending)
+
+    runner.collect = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        queue.pop()
+    assert queue.num_in_flight == 2 and set(first) <= set(queue.in_flight_sequences())
+    sched, result = queue.pop()
+    assert [it.seq for it in sched.scheduled] == first == [r.seq for r in result.sampled]
+
+
 def test_depth_must_be_positive():
     with pytest.raises(ValueError, match="depth"):
         BatchQueue(Harness().sched, None, 0)

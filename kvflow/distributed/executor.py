@@ -183,6 +183,15 @@ class MPExecutor(Executor):
             with self._sends_lock:
                 self._sends_pending -= 1
 
+    def _blame_the_dead(self) -> None:
+        """If a rank has exited, fail naming it: it is the cause, not the ranks whose gloo calls it broke.
+        A killed process's sockets close before it can be reaped, so give it half a second to show."""
+        wait([p.sentinel for p in self._procs], timeout=0.5)
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                proc.join(1)
+                self._fail(f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})")
+
     def _check_sender(self) -> None:
         if self._send_error is not None and self.failure is None:
             self._fail(self._send_error)
@@ -206,6 +215,7 @@ class MPExecutor(Executor):
                         self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) died "
                                    f"(exit code {self._procs[rank].exitcode})")
                     if kind == "error":
+                        self._blame_the_dead()  # a peer's death makes the survivors' collectives fail
                         self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) failed: {payload}")
                     if rank == self.output_rank:
                         self._in_flight -= 1  # only now: an interrupted wait leaves the reply to the next collect

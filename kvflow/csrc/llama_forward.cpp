@@ -17,8 +17,14 @@
 //   x   = a @ Wo^T;  h = rmsnorm(residual += x)
 //   x   = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 // and at the end out = rmsnorm(residual += x) with the final norm.
+//
+// A pipeline stage runs its own range of layers (kvflow_llama_stage_forward): a stage after
+// the first starts from the previous stage's pair (x, residual), so its layer 0 is the
+// general case, and a stage before the last stops before the final norm and hands on the
+// pair, exactly where LlamaDecoderLayer hands (x, residual) to the next layer.
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <new>
 
@@ -103,7 +109,8 @@ inline int gemm(const float* x, int64_t m, int64_t k, const void* packed, const 
 }
 
 template <typename T>
-int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step, T* x, T* out) {
+int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step, T* x,
+            const T* x_in, T* out) {
     const int64_t tokens = step->tokens, H = shape->hidden, D = shape->head_dim, inter = shape->intermediate;
     const int64_t q_size = shape->num_heads * D, kv_size = shape->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
     const int64_t nd = step->num_decodes, num_prefills = step->num_seqs - nd;
@@ -120,8 +127,10 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
     T* act = attn + tokens * q_size;   // [T, inter]
     for (int64_t l = 0; l < shape->num_layers; ++l) {
         const KvflowLlamaLayer& L = layers[l];
-        KVFLOW_TRY(l == 0 ? kvflow_add_rms_norm(dt, x, nullptr, L.input_norm, h, tokens, H, shape->eps)
-                          : kvflow_add_rms_norm(dt, y, x, L.input_norm, h, tokens, H, shape->eps));
+        const T* sub = l > 0 ? y : x_in;  // the sublayer output still to add; none on the first stage's layer 0
+        KVFLOW_TRY(sub == nullptr ? kvflow_add_rms_norm(dt, x, nullptr, L.input_norm, h, tokens, H, shape->eps)
+                                  : kvflow_add_rms_norm(dt, const_cast<T*>(sub), x, L.input_norm, h, tokens, H,
+                                                        shape->eps));  // sub is only read
         KVFLOW_TRY(gemm(h, tokens, H, L.qkv, L.qkv_q, qkv_size, L.qkv_bias, wide));
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
@@ -156,6 +165,10 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
         KVFLOW_TRY(kvflow_silu_and_mul(dt, wide, act, tokens, inter));
         KVFLOW_TRY(gemm(act, tokens, inter, L.down, L.down_q, H, nullptr, y));
     }
+    if (shape->final_norm == nullptr) {  // a stage before the last: hand on (y, residual) as they are
+        std::memcpy(out, y, static_cast<size_t>(tokens * H) * sizeof(T));
+        return 0;
+    }
     return kvflow_add_rms_norm(dt, y, x, shape->final_norm, out, tokens, H, shape->eps);
 }
 
@@ -163,14 +176,28 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
 
 extern "C" {
 
+// One pipeline stage's layers. x [tokens, hidden]: the residual stream in (the embeddings on
+// the first stage), overwritten. x_in: the previous stage's last sublayer output, nullptr on
+// the first stage. out: the final normed hidden states when shape->final_norm is set (the
+// last stage), else the last sublayer output (x and out then go to the next stage).
+int kvflow_llama_stage_forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers,
+                               const KvflowStep* step, void* x, const void* x_in, void* out) {
+    if (shape->num_layers <= 0) return -1;
+    if (shape->dtype == 0)
+        return forward(shape, layers, step, static_cast<float*>(x), static_cast<const float*>(x_in),
+                       static_cast<float*>(out));
+    if (shape->dtype == 1)
+        return forward(shape, layers, step, static_cast<uint16_t*>(x), static_cast<const uint16_t*>(x_in),
+                       static_cast<uint16_t*>(out));
+    return -2;
+}
+
 // x [tokens, hidden]: the embeddings in; used as the residual stream (overwritten).
 // out [tokens, hidden]: the final normed hidden states.
 int kvflow_llama_forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step,
                          void* x, void* out) {
-    if (shape->num_layers <= 0) return -1;
-    if (shape->dtype == 0) return forward(shape, layers, step, static_cast<float*>(x), static_cast<float*>(out));
-    if (shape->dtype == 1) return forward(shape, layers, step, static_cast<uint16_t*>(x), static_cast<uint16_t*>(out));
-    return -2;
+    if (shape->num_layers <= 0 || shape->final_norm == nullptr) return -1;
+    return kvflow_llama_stage_forward(shape, layers, step, x, nullptr, out);
 }
 
 }  // extern "C"

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from multiprocessing.connection import wait
@@ -34,9 +36,22 @@ class WorkerFailedError(RuntimeError):
 
 
 class Executor(ABC):
+    """Steps go out with `submit` and their results come back, in the same order, with
+    `collect`: a pipeline keeps several steps submitted before it collects the first (one per
+    stage, engine/batch_queue.py); everything else calls `execute`, one step at a time."""
+
     @abstractmethod
+    def submit(self, msg: StepMessage) -> None:
+        """Send one step to every rank without waiting for it."""
+
+    @abstractmethod
+    def collect(self) -> StepResult:
+        """The output rank's result of the oldest submitted step not yet collected."""
+
     def execute(self, msg: StepMessage) -> StepResult:
         """Run one step on every rank; the output rank's result."""
+        self.submit(msg)
+        return self.collect()
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -46,6 +61,10 @@ class Executor(ABC):
     @abstractmethod
     def worker_pids(self) -> list[int]:
         ...
+
+    # Per rank, what it said when ready: {"pid", "rank", "fused_stack"} (whether its layers run
+    # as one C++ call); filled at start-up.
+    worker_info: list[dict]
 
 
 def worker_start_method() -> str:
@@ -77,6 +96,10 @@ class MPExecutor(Executor):
             os.environ.get("KVFLOW_STEP_TIMEOUT", "120"))
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.failure: str | None = None
+        self._in_flight = 0  # steps submitted and not yet collected
+        self._outbox: queue.Queue = queue.Queue()  # steps for the sender thread (pipelined submits only)
+        self._sender: threading.Thread | None = None
+        self._sends_lock, self._sends_pending, self._send_error = threading.Lock(), 0, None
         spec: WorkerSpec = spec_for_rank(f"tcp://127.0.0.1:{free_port()}")
         self._conns, self._procs, self._clocks = [], [], []
         for rank in range(world_size):
@@ -96,6 +119,7 @@ class MPExecutor(Executor):
         return [p.pid for p in self._procs]
 
     def _wait_ready(self, timeout_s: float) -> None:
+        self.worker_info = [{} for _ in self._procs]
         pending = set(range(len(self._procs)))
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -112,6 +136,7 @@ class MPExecutor(Executor):
                         kind, payload = "error", "its pipe closed"
                     if kind == "error":
                         self._fail(f"worker rank {rank} failed to start: {payload}", start=True)
+                    self.worker_info[rank] = payload
                     pending.discard(rank)
                 elif self._procs[rank].sentinel in ready:
                     self._procs[rank].join(1)
@@ -119,14 +144,63 @@ class MPExecutor(Executor):
                                "(workers are spawned: a script that builds an engine needs an "
                                "`if __name__ == '__main__':` guard)", start=True)
 
-    def execute(self, msg: StepMessage) -> StepResult:
+    def submit(self, msg: StepMessage) -> None:
         if self.failure is not None:
             raise WorkerFailedError(f"the distributed executor is down: {self.failure}")
+        self._check_sender()
+        if self._in_flight == 0 and self._sends_pending == 0:
+            self._send_all(msg)  # nothing can be replying: send here (the one-step-at-a-time path)
+        else:
+            # A rank busy with an earlier step reads its pipe only when done, and a big step
+            # blocks the write till then; meanwhile the output rank may block writing its
+            # earlier reply (logits) to us. Sending from a thread keeps this thread reading.
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True, name="kvflow-step-sender")
+                self._sender.start()
+            with self._sends_lock:
+                self._sends_pending += 1
+            self._outbox.put(msg)
+        self._in_flight += 1
+
+    def _send_all(self, msg: StepMessage) -> None:
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send(("step", msg))
             except (BrokenPipeError, OSError) as exc:
                 self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) is gone: {exc!r}")
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send(("step", msg))
+                except (BrokenPipeError, OSError) as exc:
+                    self._send_error = f"worker rank {rank} (pid {self._procs[rank].pid}) is gone: {exc!r}"
+                    return
+            with self._sends_lock:
+                self._sends_pending -= 1
+
+    def _blame_the_dead(self) -> None:
+        """If a rank has exited, fail naming it: it is the cause, not the ranks whose gloo calls it broke.
+        A killed process's sockets close before it can be reaped, so give it half a second to show."""
+        wait([p.sentinel for p in self._procs], timeout=0.5)
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                proc.join(1)
+                self._fail(f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})")
+
+    def _check_sender(self) -> None:
+        if self._send_error is not None and self.failure is None:
+            self._fail(self._send_error)
+
+    def collect(self) -> StepResult:
+        if self.failure is not None:
+            raise WorkerFailedError(f"the distributed executor is down: {self.failure}")
+        if self._in_flight == 0:
+            raise RuntimeError("collect() without a submitted step")
         deadline = time.monotonic() + self.step_timeout_s
         out = self._conns[self.output_rank]
         watched = self._conns + [p.sentinel for p in self._procs]
@@ -141,8 +215,10 @@ class MPExecutor(Executor):
                         self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) died "
                                    f"(exit code {self._procs[rank].exitcode})")
                     if kind == "error":
+                        self._blame_the_dead()  # a peer's death makes the survivors' collectives fail
                         self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) failed: {payload}")
                     if rank == self.output_rank:
+                        self._in_flight -= 1  # only now: an interrupted wait leaves the reply to the next collect
                         return payload
             for rank, proc in enumerate(self._procs):
                 if proc.sentinel in ready and not out.poll():
@@ -153,6 +229,7 @@ class MPExecutor(Executor):
                 if now - clock.value > self.heartbeat_timeout_s:
                     self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) stopped answering "
                                f"(no heartbeat for {now - clock.value:.1f} s)")
+            self._check_sender()
             if now > deadline:
                 self._fail(f"the step took over {self.step_timeout_s:.0f} s (KVFLOW_STEP_TIMEOUT); "
                            "a worker is stuck")
@@ -166,6 +243,7 @@ class MPExecutor(Executor):
         raise WorkerFailedError(why)
 
     def _kill(self) -> None:
+        self._outbox.put(None)  # the sender thread, if any, stops (or fails on a closed pipe)
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
@@ -178,6 +256,9 @@ class MPExecutor(Executor):
         if self.failure is not None or not self._procs:
             return
         self.failure = "shut down"
+        if self._sender is not None:  # let it finish its sends first: two writers would interleave on a pipe
+            self._outbox.put(None)
+            self._sender.join(5)
         for conn in self._conns:
             try:
                 conn.send(("stop", None))

@@ -68,6 +68,8 @@ def launch(parallel: ParallelConfig, config: EngineConfig, path: str, model_conf
     else:
         executor = MPExecutor(spec, parallel.world_size, parallel.output_rank)
     seconds = time.perf_counter() - start
-    logger.info("kvflow: %d workers (%s) ready in %.1f s, %d thread(s) each\n%s", parallel.world_size,
-                parallel.describe(), seconds, threads, describe_ranks(plans, parallel, model_config))
+    fused = sum(bool(info.get("fused_stack")) for info in executor.worker_info)
+    logger.info("kvflow: %d workers (%s) ready in %.1f s, %d thread(s) each, %d running their layers as one "
+                "fused C++ call\n%s", parallel.world_size, parallel.describe(), seconds, threads, fused,
+                describe_ranks(plans, parallel, model_config))
     return DistributedLaunch(executor, plan, plans, seconds)

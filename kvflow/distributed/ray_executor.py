@@ -6,12 +6,13 @@ created in a placement group of one CPU bundle per rank (PACK: as few nodes as f
 picks the torch.distributed rendezvous port on its node, and every actor then joins the group
 and builds its shard exactly as an `mp` worker does (`worker.build_stage`). Each step is one
 `execute` call per actor with the same `StepMessage`; the output rank's return value is the
-reply. A dead actor surfaces as Ray's actor error on its call and becomes `WorkerFailedError`;
+reply; a pipeline submits the next steps before it collects the first. A dead actor surfaces as Ray's actor error on its call and becomes `WorkerFailedError`;
 a hang is bounded by the step timeout (KVFLOW_STEP_TIMEOUT).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -39,14 +40,14 @@ class _RankActor:
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
-    def start(self, init_method: str) -> int:
+    def start(self, init_method: str) -> dict:
         from kvflow.distributed.parallel_state import init_parallel_state
         from kvflow.distributed.worker import build_stage
 
         spec = dataclasses.replace(self.spec, init_method=init_method)
         state = init_parallel_state(self.rank, spec.parallel, init_method, timeout_s=spec.collective_timeout_s)
         self.runner = build_stage(spec, self.rank, state)
-        return os.getpid()
+        return {"pid": os.getpid(), "rank": self.rank, "fused_stack": self.runner.fused is not None}
 
     def execute(self, msg: StepMessage) -> StepResult | None:
         return self.runner.execute(msg)
@@ -85,6 +86,7 @@ class RayExecutor(Executor):
 
         self._remove_pg = remove_placement_group
         self.output_rank, self.failure = output_rank, None
+        self._in_flight: collections.deque = collections.deque()  # each submitted step's refs, oldest first
         self.step_timeout_s = step_timeout_s if step_timeout_s is not None else float(
             os.environ.get("KVFLOW_STEP_TIMEOUT", "120"))
         self._pg = placement_group([{"CPU": 1}] * world_size, strategy="PACK")
@@ -101,21 +103,27 @@ class RayExecutor(Executor):
             for rank in range(world_size)]
         try:
             init_method = ray.get(self._actors[0].rendezvous.remote(), timeout=start_timeout_s)
-            self._pids = ray.get([a.start.remote(init_method) for a in self._actors], timeout=start_timeout_s)
+            self.worker_info = ray.get([a.start.remote(init_method) for a in self._actors], timeout=start_timeout_s)
         except Exception as exc:
             self._kill()
             raise RuntimeError(f"a Ray worker failed to start: {exc}") from exc
 
     @property
     def worker_pids(self) -> list[int]:
-        return list(self._pids)
+        return [info["pid"] for info in self.worker_info]
 
-    def execute(self, msg: StepMessage) -> StepResult:
+    def submit(self, msg: StepMessage) -> None:
+        """One `execute` call per actor; an actor runs its calls in the order they were made, so
+        steps submitted back to back queue up on each rank as they do on an `mp` worker's pipe."""
         if self.failure is not None:
             raise WorkerFailedError(f"the distributed executor is down: {self.failure}")
-        ray = self._ray
-        msg_ref = ray.put(msg)  # stored once, read by every actor
-        refs = [a.execute.remote(msg_ref) for a in self._actors]
+        msg_ref = self._ray.put(msg)  # stored once, read by every actor
+        self._in_flight.append([a.execute.remote(msg_ref) for a in self._actors])
+
+    def collect(self) -> StepResult:
+        if self.failure is not None:
+            raise WorkerFailedError(f"the distributed executor is down: {self.failure}")
+        ray, refs = self._ray, self._in_flight[0]  # popped once answered: an interrupt leaves it first
         pending, deadline = list(refs), time.monotonic() + self.step_timeout_s
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
@@ -126,7 +134,9 @@ class RayExecutor(Executor):
                     self._fail(f"Ray worker rank {refs.index(ref)} failed: {exc}")
             if pending and time.monotonic() > deadline:
                 self._fail(f"the step took over {self.step_timeout_s:.0f} s (KVFLOW_STEP_TIMEOUT); a worker is stuck")
-        return ray.get(refs[self.output_rank])
+        result = ray.get(refs[self.output_rank])
+        self._in_flight.popleft()
+        return result
 
     def _fail(self, why: str) -> None:
         self.failure = why

@@ -3,16 +3,16 @@
 The first stage embeds the tokens (vocab-parallel); later stages receive the hidden state and
 the residual stream from the previous stage (one send of both, [2, tokens, hidden]); the last
 stage applies the final norm and the LM head to the sampled rows only, and its TP rank 0 has
-the full logits. The decoder layers are the model's own modules, on the per-module path
-(`models/llama.py`), with the row-parallel projections wrapped (`layers.RowParallel`): the
-fused one-call C++ stack cannot stop mid-layer for an all-reduce. The CPU kernels (GEMM,
-attention, norms) still run inside each module, on the rank's shard.
+the full logits. With tensor_parallel_size 1 a stage's layers run as one C++ call (the fused
+stack of `models/llama_fused.py` over the stage's range, bit for bit the modules), where the
+model and the CPU allow it. With T > 1 they are the model's own modules, on the per-module
+path (`models/llama.py`), with the row-parallel projections wrapped (`layers.RowParallel`):
+the fused stack cannot stop mid-layer for an all-reduce. The CPU kernels (GEMM, attention,
+norms) run inside each module, on the rank's shard.
 
-Pipeline schedule: one batch in flight. The driver's scheduler decides the next batch only
-after this one's tokens are back (the next batch's decodes need them), so stage s idles while
-the others compute: a P-stage pipeline runs at 1/P utilisation per stage. Overlapping would
-need the scheduler to keep P independent micro-batches of sequences (vLLM's virtual engines),
-which this first version does not do.
+Pipeline schedule: the driver keeps P batches in flight (engine/batch_queue.py), and every
+rank runs the steps it is sent in order, so stage 1 computes batch B while stage 2 computes
+batch A; a stage's send of batch B's hidden state waits until the next stage takes it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from kvflow.sampling.sampler import greedy
 
 class StageRunner:
     def __init__(self, model: nn.Module, kv_caches: list, state: ParallelState, full_config: ModelConfig,
-                 dtype: torch.dtype) -> None:
-        self.model, self.kv_caches, self.state = model, kv_caches, state
+                 dtype: torch.dtype, fused=None) -> None:
+        """`fused`: the stage's `FusedLlamaStack` (tensor_parallel_size 1 only), or None for the modules."""
+        self.model, self.kv_caches, self.state, self.fused = model, kv_caches, state, fused
         self.vocab_size, self.hidden_size, self.dtype = full_config.vocab_size, full_config.hidden_size, dtype
 
     @torch.inference_mode()
@@ -48,14 +49,21 @@ class StageRunner:
             both = torch.empty(2, msg.num_tokens, self.hidden_size, dtype=self.dtype)
             dist.recv(both, src=state.prev_rank)
             x, residual = both[0], both[1]
-        for layer, kv_cache in zip(model.layers, self.kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        fused_out = None
+        if self.fused is not None:  # the first stage's embeddings are its residual stream
+            stream = x if residual is None else residual
+            fused_out = self.fused.run_stage(stream, None if residual is None else x, positions, self.kv_caches, meta)
+        if fused_out is not None:
+            x, residual = fused_out, stream  # on the last stage x is then the final normed hidden state
+        else:
+            for layer, kv_cache in zip(model.layers, self.kv_caches):
+                x, residual = layer(positions, x, residual, kv_cache, meta)
         if not state.is_last_stage:
             dist.send(torch.stack([x, residual]), dst=state.next_rank)
             return None
         if msg.logits_indices.shape[0] == 0:
             return StepResult(token_ids=[]) if state.tp_rank == 0 else None
-        hidden = model.norm(x, residual)[0][torch.from_numpy(msg.logits_indices)]
+        hidden = (x if fused_out is not None else model.norm(x, residual)[0])[torch.from_numpy(msg.logits_indices)]
         logits = vocab_parallel_logits(model.lm_head, hidden, self.vocab_size, state)
         if logits is None:
             return None

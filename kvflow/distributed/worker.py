@@ -77,7 +77,12 @@ def build_stage(spec: WorkerSpec, rank: int, state) -> StageRunner:
     make_row_parallel(model, state)
     kv_caches = backend.allocate_kv_caches(local.num_hidden_layers, spec.num_blocks, spec.block_size,
                                            local.num_key_value_heads, local.head_dim, spec.dtype, spec.kv_cache_dtype)
-    return StageRunner(model, kv_caches, state, cfg, spec.dtype)
+    fused = None
+    if parallel.tensor_parallel_size == 1 and hasattr(model, "fuse_stack"):  # a Llama stage: its layers in one call
+        from kvflow.models.llama_fused import FusedLlamaStack
+
+        fused = FusedLlamaStack.build(model)
+    return StageRunner(model, kv_caches, state, cfg, spec.dtype, fused)
 
 
 def _beat(clock, stop: threading.Event) -> None:
@@ -97,7 +102,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn, clock) -> None:
     except BaseException as exc:  # report why, then exit: the driver refuses to start
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    conn.send(("ready", {"pid": os.getpid(), "rank": rank}))
+    conn.send(("ready", {"pid": os.getpid(), "rank": rank, "fused_stack": runner.fused is not None}))
     is_output = rank == spec.parallel.output_rank
     try:
         while True:

@@ -10,7 +10,8 @@
   scheduler.update_after_step()   num_computed_tokens advanced past the kept tokens, rejected
                             drafts' blocks freed, full blocks published for reuse
   scheduler.finish()        retire the sequences that stopped
-The server and `LLM` both drive it through add_request / step / abort_request.
+The server and `LLM` both drive it through add_request / step / abort_request. Under pipeline
+parallelism a step submits up to P batches and applies the oldest (engine/batch_queue.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
+from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_placement import build_runner, place_model
-from kvflow.engine.model_runner import SampledTokens
+from kvflow.engine.model_runner import SampledTokens, StepOutput
 from kvflow.engine.parallel_sampling import SampleGroup, SampleGroups, prompt_tokens_computed
-from kvflow.engine.scheduler import Scheduler, SchedulerConfig
+from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
@@ -125,6 +127,9 @@ class LLMEngine:
                     quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype,
                                                       quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None))
             self.speculator = Speculator(spec, self.max_model_len, draft)
+        # P > 1: P batches in flight; one at a time with drafts (they are proposed from tokens not yet back)
+        self.batch_queue = BatchQueue(self.scheduler, self.runner, self.parallel.pipeline_parallel_size) if (
+            self.distributed and self.parallel.pipeline_parallel_size > 1 and spec is None) else None
         # Compiled grammars (cached) for structured output; xgrammar loads on the first such request.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.eos_token_ids)
@@ -236,11 +241,13 @@ class LLMEngine:
         return len(self.sample_groups.request_ids(self.scheduler.waiting, self._requests))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.batch_queue is not None and self.batch_queue.busy)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that got tokens."""
+        if self.batch_queue is not None:
+            return self._pipelined_step()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.running) + len(self.scheduler.waiting))
         sched = self.scheduler.schedule()
@@ -248,7 +255,16 @@ class LLMEngine:
             self.speculator.preempted(sched.preempted)
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched)
+        return self._apply(sched, self.runner.execute(sched))
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """P > 1: keep up to P batches in flight (engine/batch_queue.py), apply the oldest."""
+        self.batch_queue.fill()
+        done = self.batch_queue.pop()
+        return self._apply(*done) if done is not None else []
+
+    def _apply(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        """A batch's tokens into its requests: append, stop checks, scheduler bookkeeping, outputs."""
         self.prefill_tokens_total += prompt_tokens_computed(sched)  # before num_computed_tokens moves on
         for entries in result.prompt_logprobs:  # before the outputs, which carry them
             entries.append_to_sequence()

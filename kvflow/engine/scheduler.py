@@ -8,7 +8,9 @@ then unfinished prefills, whose remaining prompt is cut to what the budget has l
 sequence as headroom, so an admission does not force a preemption on the next decode); each starts after the longest prefix
 the cache already holds. When a running sequence needs a block and none is free, the
 lowest-priority running sequence (latest arrival under FCFS) is preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed later.
+freed and it goes back to the front of the queue to be recomputed later. Under pipeline
+parallelism several batches are in flight at once (engine/batch_queue.py): the sequences of
+those are skipped, and never chosen as victims, until their tokens are back.
 """
 
 from __future__ import annotations
@@ -96,19 +98,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the step --------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: set[Sequence] | None = None, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next batch. A pipeline (engine/batch_queue.py) passes the sequences of the batches
+        still in flight, which are neither scheduled (their next token is not known yet) nor
+        preempted (their blocks are being written), and a cap on this batch's sequences."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: dict[str, ScheduledSequence] = {}
+        cap = max_seqs if max_seqs is not None else self.config.max_num_seqs
 
         for seq in sorted(self.running, key=lambda s: (s.is_prefill, s.sort_key())):
-            if budget == 0:
+            if budget == 0 or len(out.scheduled) >= cap:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if in_flight and seq in in_flight:
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
-                victim = max(self.running, key=Sequence.sort_key)
+                victim = max(self.running if not in_flight else [s for s in self.running if s not in in_flight],
+                             key=Sequence.sort_key)
                 undone = scheduled_ids.pop(victim.request_id, None)
                 if undone is not None:
                     out.scheduled.remove(undone)
@@ -124,7 +133,8 @@ class Scheduler:
             scheduled_ids[seq.request_id] = item
             budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.scheduled) < cap):
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not bounce a sequence straight back in the step that evicted it

@@ -174,8 +174,9 @@ def load_model(
 
     A tensor/pipeline-parallel rank (kvflow.distributed) builds its share through the hooks:
     `adapt_model` drops the modules it does not hold before loading, `adapt_weights` renames
-    and slices the checkpoint's tensors on their way in, and `fuse_stack=False` keeps the
-    per-module path (the fused C++ stack cannot all-reduce mid-layer)."""
+    and slices the checkpoint's tensors on their way in, and `fuse_stack=False` leaves the
+    fused C++ stack to the rank (built over its stage's layers when T = 1; it cannot all-reduce
+    mid-layer)."""
     device = torch.device(device)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()

@@ -18,6 +18,11 @@ does a step whose tensors don't fit (logged once): `steps_run` / `steps_declined
 
 The order of ops mirrors `LlamaDecoderLayer.forward`; `build` must refuse any model feature
 the C++ does not implement (it lists them: q/k norm, biases outside QKV).
+
+A pipeline stage's model holds a contiguous range of layers, without the embedding before the
+first stage or the final norm before the last (`distributed/worker.py` trims them):
+`run_stage` runs that range from the previous stage's (x, residual) pair and hands the next
+stage the same pair the modules would (`kvflow_llama_stage_forward`).
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ class _Step(ctypes.Structure):  # KvflowStep
                 ("query_start", _ptr)]
 
 
+def _stack_dtype(model) -> torch.dtype:
+    """The activations' dtype: the embedding's, or the norms' on a stage that has none."""
+    if model.embed_tokens is not None:
+        return model.embed_tokens.weight.dtype
+    return model.layers[0].input_layernorm.weight.dtype
+
+
 def _int64_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.int64 and t.is_contiguous() for t in tensors)
 
@@ -85,17 +97,20 @@ class FusedLlamaStack:
         cfg = model.config
         attn = model.layers[0].self_attn
         rotary = attn.rotary
-        self.dtype = model.embed_tokens.weight.dtype
-        self._fn = kernels.lib.kvflow_llama_forward
-        self._fn.argtypes = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr]
+        self.dtype = _stack_dtype(model)
+        self._fn = kernels.lib.kvflow_llama_stage_forward
+        self._fn.argtypes = [ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _ptr]
         self._fn.restype = ctypes.c_int
+        final_norm = model.norm.weight if model.norm is not None else None  # None: a stage before the last
+        self.has_final_norm = final_norm is not None
         # Every tensor whose address goes to C++ is held here, so it lives as long as the stack.
-        self._keep: list[object] = [rotary.cos_f32, rotary.sin_f32, model.norm.weight]
+        self._keep: list[object] = [rotary.cos_f32, rotary.sin_f32, final_norm]
         self.shape = _Shape(
             dtype=cpu_kernels.DTYPE_CODES[self.dtype], num_layers=len(model.layers), hidden=cfg.hidden_size,
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            intermediate=cfg.intermediate_size, block_size=0, max_position=rotary.cos_f32.shape[0], eps=model.norm.eps, scale=attn.attn.scale,
-            cos=rotary.cos_f32.data_ptr(), sin=rotary.sin_f32.data_ptr(), final_norm=model.norm.weight.data_ptr())
+            intermediate=cfg.intermediate_size, block_size=0, max_position=rotary.cos_f32.shape[0],
+            eps=model.layers[0].input_layernorm.eps, scale=attn.attn.scale, cos=rotary.cos_f32.data_ptr(),
+            sin=rotary.sin_f32.data_ptr(), final_norm=final_norm.data_ptr() if final_norm is not None else None)
         self.layers = (_Layer * len(model.layers))()
         self._quant: list[_QuantLinear] = []  # the structs the layers point at
         for entry, layer in zip(self.layers, model.layers):
@@ -128,7 +143,7 @@ class FusedLlamaStack:
     def build(model: LlamaStack) -> FusedLlamaStack | None:
         """The fused stack when every op of this model has its kernel in the model's dtype, else None."""
         kernels = cpu_kernels.load()
-        dtype = model.embed_tokens.weight.dtype
+        dtype = _stack_dtype(model)
         if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm(dtype):
             return None
         attn = model.layers[0].self_attn
@@ -143,7 +158,8 @@ class FusedLlamaStack:
             and all((m.packing == "kvflow" and m.packed_weight.dtype == dtype)
                     or (m.packing == "quantized-tiles" and dtype == torch.bfloat16) for m in linears)
             and all(m.bias is None for m in unbiased)
-            and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in [*norms, model.norm])
+            and all(n.weight.dtype == dtype and n.weight.is_contiguous()
+                    for n in [*norms, *([model.norm] if model.norm is not None else [])])
             and kernels.supports(dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
             and kernels.supports_prefill(dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         )
@@ -153,20 +169,33 @@ class FusedLlamaStack:
                  meta: AttentionMetadata) -> torch.Tensor | None:
         """Final normed hidden states [T, hidden]; None when this step's tensors don't fit (the
         caller then runs the modules). x (the embeddings) is used as scratch."""
-        reason = self._unfit(x, positions, meta) or (None if self._bind_caches(kv_caches, meta.block_size)
-                                                     else "KV caches of another shape or dtype")
+        return self.run_stage(x, None, positions, kv_caches, meta)
+
+    def run_stage(self, residual: torch.Tensor, x_in: torch.Tensor | None, positions: torch.Tensor,
+                  kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor | None:
+        """This stack's layers from the residual stream (the embeddings on the first stage,
+        `x_in` None) and the previous stage's last sublayer output `x_in`. Returns the final
+        normed hidden states if the stack has the final norm, else the last sublayer output,
+        with `residual` updated in place: the (x, residual) pair the next stage takes. None when
+        the step does not fit (the caller runs the modules; `residual` is then untouched)."""
+        reason = self._unfit(residual, positions, meta) or (None if self._bind_caches(kv_caches, meta.block_size)
+                                                            else "KV caches of another shape or dtype")
+        if reason is None and x_in is not None and (x_in.dtype != self.dtype or not x_in.is_contiguous()
+                                                     or x_in.shape != residual.shape):
+            reason = "the previous stage's activations are not contiguous rows of the residual's shape"
         if reason is not None:
             if self.steps_declined == 0:
                 logger.warning("fused Llama stack: step runs on the modules instead (%s)", reason)
             self.steps_declined += 1
             return None
         tables = meta.block_tables
-        step = _Step(tokens=x.shape[0], num_seqs=meta.num_seqs, num_decodes=meta.num_decodes,
+        step = _Step(tokens=residual.shape[0], num_seqs=meta.num_seqs, num_decodes=meta.num_decodes,
                      positions=positions.data_ptr(), slot_mapping=meta.slot_mapping.data_ptr(),
                      block_tables=tables.data_ptr(), block_table_stride=tables.stride(0),
                      seq_lens=meta.seq_lens_tensor.data_ptr(), query_start=meta.query_start_tensor.data_ptr())
-        out = torch.empty_like(x)
-        rc = self._fn(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr())
+        out = torch.empty_like(residual)
+        rc = self._fn(ctypes.byref(self.shape), self.layers, ctypes.byref(step), residual.data_ptr(),
+                      None if x_in is None else x_in.data_ptr(), out.data_ptr())
         cpu_kernels.check_rc(rc, "fused Llama stack", max_position=self.shape.max_position)
         self.steps_run += 1
         return out

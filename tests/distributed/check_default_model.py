@@ -31,9 +31,12 @@ def check(layout: str, num_prompts: int, tokens: int) -> None:
             assert_greedy_match(out.outputs[0].token_ids, row["greedy_48_ignore_eos"][:tokens],
                                 row["greedy_48_top2_gap"], f"{layout} {row['prompt'][-30:]!r}")
             assert len(out.outputs[0].logprobs) == tokens
+        fused = [info["fused_stack"] for info in llm.engine.distributed.executor.worker_info]
+        queue = llm.engine.batch_queue
+        in_flight = f", at most {queue.peak_in_flight} batches in flight" if queue is not None else ""
     finally:
         llm.shutdown()
-    print(f"{layout}: {len(rows)} prompts x {tokens} tokens match the reference")
+    print(f"{layout}: {len(rows)} prompts x {tokens} tokens match the reference (ranks fused: {fused}{in_flight})")
 
 
 def main() -> None:

@@ -8,9 +8,11 @@ with the same tie rule as the single-process engine, and every KV block must be 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
-from tests.conftest import check_greedy_run
+from kvflow.layers import cpu_kernels
+from tests.conftest import assert_greedy_match, check_greedy_run
 from tests.distributed.conftest import NEW_TOKENS, engine_kwargs
 
 # min_tokens bans EOS, so the driver samples the logits that come back; ignore_eos keeps the
@@ -28,6 +30,12 @@ def _run_layout(model, tp: int, pp: int) -> LLM:
     assert llm.engine.kv_cache_manager.prefix_stats.hits > 0, "the shared prefix was meant to hit the cache"
     check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} argmax path")
     check_greedy_run(llm, prompts, refs, ARGMAX_PATH, f"{label} alone", [len(prompts) - 1])
+    if pp > 1:  # the stages overlapped: P batches were in flight at once (engine/batch_queue.py)
+        assert llm.engine.batch_queue.peak_in_flight == pp
+    fused = [info["fused_stack"] for info in llm.engine.distributed.executor.worker_info]
+    kernels = cpu_kernels.load()
+    # T = 1: each stage's layers in one C++ call where the CPU has the float32 GEMM; T > 1: the modules
+    assert fused == [tp == 1 and kernels is not None and kernels.has_gemm(torch.float32)] * (tp * pp)
     return llm
 
 
@@ -60,6 +68,40 @@ def test_tensor_parallel_3_nine_heads(tiny_nine_heads, forked_workers):
 
 def test_pipeline_parallel_2(tiny_gqa, forked_workers):
     _run_layout(tiny_gqa, 1, 2).shutdown()
+
+
+def test_pipeline_aborts_a_sequence_in_flight(tiny_gqa, forked_workers):
+    """P=2 keeps two batches in flight; a sequence aborted while its batch is in flight loses its
+    blocks at once and its late reply is dropped; every other request keeps T=1's tokens."""
+    path, prompts, refs = tiny_gqa
+    llm = LLM(path, **engine_kwargs(path, 1, 2))
+    engine = llm.engine
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, ARGMAX_PATH)
+        outputs, victim = {}, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+            queue = engine.batch_queue
+            if victim is None and queue.num_in_flight == 1 and queue.peak_in_flight == 2:
+                in_flight = queue.in_flight_sequences()
+                # one already sampled a token (a decode in flight), so the abort drops a real reply
+                decoding = [s for s in in_flight if s.output_token_ids]
+                if decoding:
+                    victim = decoding[0].request_id
+                    assert engine.abort_request(victim)
+                    assert victim not in [s.request_id for s in engine.scheduler.running]
+        assert victim is not None, "no decode was ever in flight behind another batch"
+        assert queue.num_batches > 2 and queue.peak_in_flight == 2
+        for i in range(len(prompts)):
+            if str(i) != victim:
+                assert_greedy_match(outputs[str(i)].outputs[0].token_ids, *refs[i], f"P=2 prompt {i}")
+        assert victim not in outputs or len(outputs[victim].outputs[0].token_ids) < NEW_TOKENS
+        engine.check_integrity()
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_tensor_2_by_pipeline_2_replicated_kv_head(tiny_mqa, forked_workers):

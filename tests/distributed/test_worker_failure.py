@@ -22,8 +22,8 @@ def _forked(monkeypatch):
     monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")
 
 
-def _engine_with_requests_in_flight(path: str, prompts) -> LLM:
-    llm = LLM(path, **engine_kwargs(path, 2, 1))
+def _engine_with_requests_in_flight(path: str, prompts, tp: int = 2, pp: int = 1) -> LLM:
+    llm = LLM(path, **engine_kwargs(path, tp, pp))
     for i, p in enumerate(prompts[:4]):
         llm.engine.add_request(f"r{i}", {"prompt_token_ids": p}, PARAMS)
     llm.engine.step()
@@ -43,13 +43,17 @@ def _assert_failed_cleanly(llm: LLM, prompts, started: float, match: str) -> Non
         llm.generate([{"prompt_token_ids": prompts[0]}], PARAMS, use_tqdm=False)
 
 
-def test_killed_worker_fails_requests_in_flight(tiny_gqa, _forked):
+@pytest.mark.parametrize("tp, pp, rank", [(2, 1, 1), (1, 2, 0)], ids=["T=2", "P=2-first-stage"])
+def test_killed_worker_fails_requests_in_flight(tiny_gqa, _forked, tp, pp, rank):
+    """P=2: stage 0 dies while a batch is in flight behind the one being answered."""
     path, prompts, _ = tiny_gqa
-    llm = _engine_with_requests_in_flight(path, prompts)
+    llm = _engine_with_requests_in_flight(path, prompts, tp, pp)
+    if pp > 1:
+        assert llm.engine.batch_queue.num_in_flight == 1 and llm.engine.batch_queue.peak_in_flight == 2
     pids = llm.engine.distributed.executor.worker_pids
     started = time.monotonic()
-    os.kill(pids[1], signal.SIGKILL)
-    _assert_failed_cleanly(llm, prompts, started, r"rank 1 \(pid \d+\) died")
+    os.kill(pids[rank], signal.SIGKILL)
+    _assert_failed_cleanly(llm, prompts, started, rf"rank {rank} \(pid \d+\) (died|is gone)")
     time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
                    for pid in pids), "workers outlived the failure"

@@ -60,13 +60,14 @@ def test_tiles_equal_their_definition(lib, n, k, m):
 @pytest.mark.parametrize("which", [0, 2, 3])  # int8 per channel, int8 with offsets, int4
 def test_tiles_are_batch_invariant(lib, which):
     """A row's output does not depend on the rows beside it: one row, the in-register decode
-    rows (up to 8), 12-row and 8-row blocks of a stored tile, and a partial last tile."""
+    rows (blocks of up to 8, up to 32 rows), 12-row and 8-row blocks of a stored tile, and a partial
+    last tile."""
     _, tile_lib = lib
     qw = _weights(104, 128, seed=1)[which]
     op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
     x = torch.randn(80, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     whole = op(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(3, 12), slice(3, 15), slice(10, 80)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(3, 12), slice(3, 15), slice(2, 35), slice(10, 80)):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
 
 

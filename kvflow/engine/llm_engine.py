@@ -20,7 +20,6 @@ import copy
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,46 +30,19 @@ from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_placement import build_runner, place_model
 from kvflow.engine.model_runner import SampledTokens, StepOutput
-from kvflow.engine.parallel_sampling import SampleGroup, SampleGroups, prompt_tokens_computed
+from kvflow.engine.parallel_sampling import SampleGroups, prompt_tokens_computed
+from kvflow.engine.request_state import EngineStats, RequestState, make_output
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
-from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import CompletionText
 from kvflow.sampling.params import SamplingParams
-from kvflow.spec_decode.speculator import SpecDecodeStats, Speculator
+from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("kvflow")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    computed_tokens: int = 0
-    prefill_tokens: int = 0  # prompt positions computed (prefix hits and shared samples excluded)
-    spec_decode: SpecDecodeStats | None = None  # None when speculative decoding is off
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    output: CompletionText  # the detokenized text and the stop strings (shared with the split server's API side)
-    cumulative_logprob: float = 0.0
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    group: SampleGroup | None = field(default=None, repr=False)  # n > 1: the request this sample belongs to
-    index: int = 0  # the sample's index in the request
 
 
 class LLMEngine:
@@ -133,7 +105,7 @@ class LLMEngine:
         # Compiled grammars (cached) for structured output; xgrammar loads on the first such request.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.eos_token_ids)
-        self._requests: dict[str, _Request] = {}  # by sequence id (a sample's own id when n > 1)
+        self._requests: dict[str, RequestState] = {}  # by sequence id (a sample's own id when n > 1)
         self.sample_groups = SampleGroups()  # requests with n > 1, by request id
         self.prompt_tokens_total = 0  # prompts of requests that produced a first token
         self.generation_tokens_total = 0
@@ -179,14 +151,14 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
             self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
 
-        def make(seq_id: str, p: SamplingParams, index: int = 0) -> _Request:
+        def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text)
             if p.structured_outputs is not None:  # every sample walks the grammar on its own
                 seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
             # detokenize=False (the engine core of a split server): the API process makes the text.
             tokenizer = self.tokenizer if p.detokenize else None
             output = CompletionText(tokenizer, token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output)
-            return _Request(seq, output, index=index)
+            return RequestState(seq, output, index=index)
 
         if params.n > 1:  # parallel sampling: k sequences over one prompt (engine/parallel_sampling.py)
             self.sample_groups.add_request(request_id, params, make, self._requests, self.scheduler,
@@ -270,8 +242,8 @@ class LLMEngine:
             entries.append_to_sequence()
         sampled = result.sampled
         now = time.time()
-        advanced: list[_Request] = []
-        stopped: list[tuple[_Request, SequenceStatus]] = []
+        advanced: list[RequestState] = []
+        stopped: list[tuple[RequestState, SequenceStatus]] = []
         num_rejected: dict[str, int] = {}
         for result in sampled:
             if result.num_draft_tokens:
@@ -296,14 +268,14 @@ class LLMEngine:
             self.scheduler.finish(req.seq, status)
             if self.speculator is not None:
                 self.speculator.forget(req.seq.request_id)
-        outputs = self.sample_groups.outputs(advanced, self._make_output)
+        outputs = self.sample_groups.outputs(advanced, make_output)
         for req, _ in stopped:
             del self._requests[req.seq.request_id]
             if req.group is not None and req.group.finished:
                 self.sample_groups.pop(req.group.request_id)
         return outputs
 
-    def _append_tokens(self, req: _Request, result: SampledTokens, now: float) -> SequenceStatus | None:
+    def _append_tokens(self, req: RequestState, result: SampledTokens, now: float) -> SequenceStatus | None:
         """Append the step's tokens one by one until a stop condition; return the finish status, if any.
 
         Tokens after the one that stops the sequence (an accepted draft past EOS, a stop
@@ -325,7 +297,7 @@ class LLMEngine:
         req.new_text = text[prev_len:] if len(text) >= prev_len else ""
         return status
 
-    def _append_token(self, req: _Request, tid: int, logprobs: dict[int, float] | None) -> SequenceStatus | None:
+    def _append_token(self, req: RequestState, tid: int, logprobs: dict[int, float] | None) -> SequenceStatus | None:
         seq, params = req.seq, req.seq.params
         seq.output_token_ids.append(tid)
         req.new_token_ids.append(tid)
@@ -357,39 +329,6 @@ class LLMEngine:
         if seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
-
-    def _make_output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        completion = CompletionOutput(
-            index=0,
-            text=req.output.text,
-            token_ids=list(seq.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        metrics = RequestMetrics(
-            arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-            last_token_time=time.time(),
-            finished_time=seq.finished_time,
-            num_preemptions=seq.num_preemptions,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished,
-            metrics=metrics,
-            num_cached_tokens=max(seq.num_cached_tokens, 0),
-            new_token_ids=req.new_token_ids,
-            new_text=req.new_text,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-            prompt_token_ranks=list(seq.prompt_token_ranks) if seq.params.prompt_logprobs is not None else None,
-        )
 
     # ---- observability -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -97,7 +97,7 @@ class SampleGroup:
     """The k samples of one request; `samples` are the engine's per-sample records, in index order."""
 
     request_id: str
-    samples: list[Any]  # llm_engine._Request (each with .seq), index order
+    samples: list[Any]  # request_state.RequestState (each with .seq), index order
     held: list[Any] = field(default_factory=list)  # not queued yet: waiting for sample 0's prompt
 
     @property

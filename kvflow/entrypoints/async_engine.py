@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from kvflow.engine.llm_engine import LLMEngine, PromptInput
+from kvflow.engine.request_state import EngineStats
 # The request-side pieces live in request_stream.py (shared with the split server's client); the
 # names stay importable from here.
 from kvflow.entrypoints.request_stream import (EngineDeadError, EngineOverloadedError, EngineStepError,  # noqa: F401

@@ -34,7 +34,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
-from kvflow.engine.llm_engine import EngineStats
+from kvflow.engine.request_state import EngineStats
 from kvflow.entrypoints.request_stream import EngineDeadError, RequestStream, _put_all, _resolve
 from kvflow.entrypoints.core import wire
 from kvflow.entrypoints.core.assembler import OutputAssembler

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
-from kvflow.engine.llm_engine import EngineStats
+from kvflow.engine.request_state import EngineStats
 from kvflow.outputs import RequestOutput
 from kvflow.spec_decode.speculator import SpecDecodeStats
 

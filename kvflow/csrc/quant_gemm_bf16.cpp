@@ -235,17 +235,21 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
             const bool full = (n - n0 + kTileCols - 1) / kTileCols >= kNT;
+            // Rows r .. r + block_rows of this chunk, their operands from `src`.
+            auto row_block = [&](const auto& src, int64_t r, int64_t block_rows) {
+                kvflow::StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
+                const float* sums = Offsets ? xsums.get() + r * groups : nullptr;
+                if (full)
+                    rows<kNT, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+                else
+                    rows<1, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+            };
             if (m <= kUnpackedRows) {  // row blocks of up to kRegisterRows, each unpacking the quants again
                 const PackedQuants<Bits> src{w.q + tile0 * bytes, bytes};
                 const int64_t blocks = (m + kRegisterRows - 1) / kRegisterRows;
                 for (int64_t b = 0, r = 0; b < blocks; ++b) {
                     const int64_t block_rows = m / blocks + (b < m % blocks ? 1 : 0);
-                    kvflow::StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
-                    const float* sums = Offsets ? xsums.get() + r * groups : nullptr;
-                    if (full)
-                        rows<kNT, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
-                    else
-                        rows<1, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+                    row_block(src, r, block_rows);
                     r += block_rows;
                 }
                 continue;
@@ -253,14 +257,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
             if (tiles == nullptr) continue;  // out of memory: `failed` is set
             for (int64_t t = 0; t < (full ? kNT : 1); ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, w.k, tiles + t * tile_stride);
             const StoredTile src{tiles, tile_stride};
-            kvflow::for_each_row_block(m, [&](int64_t r, int64_t block_rows) {
-                kvflow::StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
-                const float* sums = Offsets ? xsums.get() + r * groups : nullptr;
-                if (full)
-                    rows<kNT, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
-                else
-                    rows<1, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
-            });
+            kvflow::for_each_row_block(m, [&](int64_t r, int64_t block_rows) { row_block(src, r, block_rows); });
         }
         std::free(tiles);
     }

@@ -25,13 +25,12 @@ import argparse
 import asyncio
 import json
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 
-from kvflow.bench.router import _free_port
+from kvflow.bench.instances import Instance, free_port, start_serve, wait_healthy
 from kvflow.bench.serve_client import ServeRequest, completion_payload, httpx, send_request
 
 
@@ -53,30 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output", help="write the results as JSON here")
 
 
-def _start(serve_args: list[str], cpus: str, threads: int, role: str | None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = ["taskset", "-c", cpus, sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--port", str(port),
-           "--uvicorn-log-level", "warning", "--served-model-name", "bench", "--num-threads", str(threads),
-           *serve_args]
-    if role is not None:
-        cmd += ["--kv-transfer-config", json.dumps({"kv_role": role, "kv_timeout_s": 120})]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(instances: list[tuple[subprocess.Popen, str]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc, url in instances:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvflow serve {url} exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvflow serve {url} did not start within {timeout:g} s")
-            time.sleep(0.5)
+def _start(serve_args: list[str], cpus: str, threads: int, role: str | None) -> Instance:
+    kv = {"kv_role": role, "kv_timeout_s": 120} if role is not None else None
+    return start_serve(serve_args, kv, cpus=cpus, threads=threads)
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -140,13 +118,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         instances = [_start(serve, cpus[0], 1, "kv_producer"), _start(serve, cpus[-1], 1, "kv_consumer")]
     server = None
     try:
-        _wait_healthy(instances, args.startup_timeout)
+        wait_healthy(instances, args.startup_timeout)
         urls = [url for _, url in instances]
         if mode == "colocated":
             long_url = stream_url = urls[0]
         else:
             router = Router(urls[1:], "cache_aware", prefill_urls=urls[:1])
-            port = _free_port()
+            port = free_port()
             server = uvicorn.Server(uvicorn.Config(build_router_app(router), host="127.0.0.1", port=port,
                                                    log_level="warning"))
             threading.Thread(target=server.run, daemon=True).start()

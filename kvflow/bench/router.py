@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
+
+from kvflow.bench.instances import Instance, free_port, start_serve, wait_healthy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,23 +52,9 @@ def build_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     return [prefixes[g] + rng.integers(low, high, size=args.suffix_len).tolist() for g in groups]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_instances(n: int, serve_args: list[str], disaggregated: bool = False) -> list[tuple[subprocess.Popen, str]]:
-    out = []
-    for k in range(n):
-        port = _free_port()
-        role = ["--kv-transfer-config", json.dumps({"kv_role": "kv_producer" if k == 0 else "kv_consumer"})]
-        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--port", str(port),
-               "--uvicorn-log-level", "warning", "--served-model-name", "bench", *serve_args,
-               *(role if disaggregated else [])]
-        out.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                    f"http://127.0.0.1:{port}"))
-    return out
+def _start_instances(n: int, serve_args: list[str], disaggregated: bool = False) -> list[Instance]:
+    roles = [{"kv_role": "kv_producer" if k == 0 else "kv_consumer"} if disaggregated else None for k in range(n)]
+    return [start_serve(serve_args, role) for role in roles]
 
 
 def _prefill_tokens(metrics_text: str) -> int:
@@ -100,22 +86,10 @@ def run_policy(policy: str, args: argparse.Namespace, prompts: list[list[int]]) 
     n = 2 if args.disaggregated else args.instances
     instances = _start_instances(n, args.serve_args.split(), args.disaggregated)
     try:
-        for proc, url in instances:
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"kvflow serve {url} exited with {proc.returncode}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvflow serve {url} did not start")
-                time.sleep(0.5)
+        wait_healthy(instances, 600)
         urls = [url for _, url in instances]
         router = Router(urls[1:], policy, prefill_urls=urls[:1]) if args.disaggregated else Router(urls, policy)
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(build_router_app(router), host="127.0.0.1", port=port,
                                                log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)

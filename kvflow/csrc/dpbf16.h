@@ -5,6 +5,8 @@
 // W: NT tiles of a packed weight, each [pairs][16][2] bf16, tiles `tile_stride` apart: one
 // 64-byte load feeds one vdpbf16ps (16 output columns x 2 k). All MT x NT accumulators stay
 // in registers; `store(m, j, acc)` receives each finished 16-column accumulator.
+// `next` (optional): NT tiles laid out like tile0's, pulled into L2 one line per weight load,
+// so a block that reads cached weights streams the next block's from memory meanwhile.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,7 @@ constexpr int64_t kPrefetchPairs = 64;  // 4 KiB ahead in each weight stream
 
 template <int MT, int NT, typename Store>
 inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
-                         int64_t pairs, Store& store) {
+                         int64_t pairs, Store& store, const uint16_t* next = nullptr) {
     __m512 acc[MT][NT];
     for (int m = 0; m < MT; ++m)
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -30,6 +32,7 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
         for (int j = 0; j < NT; ++j) {
             const uint16_t* src = tile0 + j * tile_stride + p * 32;
             _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
+            if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
             w[j] = (__m512bh)_mm512_loadu_si512(src);
         }
         for (int m = 0; m < MT; ++m) {

@@ -21,7 +21,7 @@ constexpr int64_t kPrefetchK = 16;  // 1 KiB ahead in each weight stream
 
 template <int MT, int NT, typename Store>
 inline void fma_f32_block(const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride, int64_t k,
-                          Store& store) {
+                          Store& store, const float* next = nullptr) {
     __m512 acc[MT][NT];
     for (int m = 0; m < MT; ++m)
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -30,6 +30,7 @@ inline void fma_f32_block(const float* x, int64_t x_stride, const float* tile0, 
         for (int j = 0; j < NT; ++j) {
             const float* src = tile0 + j * tile_stride + kk * 16;
             _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchK * 16), _MM_HINT_T0);
+            if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + kk * 16), _MM_HINT_T1);
             w[j] = _mm512_loadu_ps(src);
         }
         for (int m = 0; m < MT; ++m) {

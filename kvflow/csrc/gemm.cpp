@@ -52,10 +52,14 @@ int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const 
     const int64_t tile_stride = k * kTileCols;
     kvflow::for_each_chunk(n, [&](int64_t n0, bool full) {
         const typename Dt::T* tile0 = packed + (n0 / kTileCols) * tile_stride;
+        // Row blocks after the first find the chunk's weights in cache: they pull the next
+        // chunk's into L2 meanwhile, so the weight stream overlaps the arithmetic.
+        const bool next_full = n0 + 2 * kTileCols * kNT <= n;
         kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
             kvflow::StoreRow<Dt> store{y + r * y_stride, y_stride, n0, n, bias};
+            const typename Dt::T* next = r > 0 && next_full ? tile0 + kNT * tile_stride : nullptr;
             if (full)
-                M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
+                M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store, next);
             else
                 M::template rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
         });

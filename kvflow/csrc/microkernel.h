@@ -25,9 +25,9 @@ struct Micro<BF16> {
     static constexpr int64_t G = 2;
     template <int NT, typename Store>
     static void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
-                     int64_t steps, Store& store) {
+                     int64_t steps, Store& store, const uint16_t* next = nullptr) {
         with_block_rows(rows, [&](auto mt) {
-            dpbf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store);
+            dpbf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store, next);
         });
     }
     static inline __m512 load(const uint16_t* p, __mmask16 mask) {
@@ -44,9 +44,9 @@ struct Micro<F32> {
     static constexpr int64_t G = 1;
     template <int NT, typename Store>
     static void rows(int64_t rows, const float* x, int64_t x_stride, const float* tile0, int64_t tile_stride,
-                     int64_t steps, Store& store) {
+                     int64_t steps, Store& store, const float* next = nullptr) {
         with_block_rows(rows, [&](auto mt) {
-            fma_f32_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store);
+            fma_f32_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store, next);
         });
     }
     static inline __m512 load(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }

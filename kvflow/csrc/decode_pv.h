@@ -94,15 +94,17 @@ inline void softmax_rows_bf16(float* scores, int64_t rows, int64_t len, float* i
 // multiplies by the broadcast pair (p[t], p[t + 1]): accumulator lane 4L + i of vector 2j + h
 // holds dim 32j + 8L + 4h + i (unpack works within 128-bit lanes). With an odd NV the last 16
 // dims are paired by one permute and stay in dim order. `acc` keeps that order between calls;
-// store_pair_row restores the real one.
+// store_pair_row restores the real one. `pf` (optional) steps once per key pair.
 template <int NV, int R, typename VRow>
-void pv_rows_pairs(const uint16_t* p, int64_t p_stride, int64_t t_begin, int64_t t_end, VRow vrow, float* acc) {
+void pv_rows_pairs(const uint16_t* p, int64_t p_stride, int64_t t_begin, int64_t t_end, VRow vrow, float* acc,
+                   PrefetchStream* pf) {
     constexpr int kPaired = NV / 2;  // 32-dim pieces interleaved by unpack
     __m512 a[R][NV];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + (r * NV + j) * 16);
     for (int64_t t = t_begin; t < t_end; t += 2) {
         const bool single = t + 1 == t_end;  // an odd tail: pair the last key with zeros
+        if (pf) pf->step();
         const uint16_t* v0 = vrow(t);
         const uint16_t* v1 = single ? nullptr : vrow(t + 1);
         __m512i w[NV];
@@ -136,12 +138,12 @@ void pv_rows_pairs(const uint16_t* p, int64_t p_stride, int64_t t_begin, int64_t
 
 template <int NV, int R = kPVRows<NV>, typename VRow>
 void pv_pairs(const uint16_t* p, int64_t p_stride, int64_t rows, int64_t t_begin, int64_t t_end, VRow vrow,
-              float* acc) {
+              float* acc, PrefetchStream* pf = nullptr) {
     if constexpr (R > 0) {
         for (; rows >= R; rows -= R, p += R * p_stride, acc += R * NV * 16)
-            pv_rows_pairs<NV, R>(p, p_stride, t_begin, t_end, vrow, acc);
+            pv_rows_pairs<NV, R>(p, p_stride, t_begin, t_end, vrow, acc, pf);
         if (rows > 0)
-            pv_pairs<NV, R - 1>(p, p_stride, rows, t_begin, t_end, vrow, acc);
+            pv_pairs<NV, R - 1>(p, p_stride, rows, t_begin, t_end, vrow, acc, pf);
     }
 }
 

@@ -44,9 +44,10 @@ inline __m512i key_cells16(const KeyTile<T>& tile, int64_t g, int64_t block_size
 // scores[r, tile keys] = scale * q[r] . k for R query rows of one KV head and NK key tiles.
 // Keys are dimension-major, so one dim group of a tile's 16 keys is one 64-byte vector and
 // each q element (a dim pair in bf16, AVX512-BF16 only) is broadcast into 16 scores at once.
+// `pf` steps once per dim group.
 template <typename Dt, int NV, int R, int NK, bool kGather>
 inline void scores_tiles(const typename Dt::T* q, const KeyTile<typename Dt::T>* tiles, int64_t block_size,
-                         __m512 vscale, float* out, int64_t len) {
+                         __m512 vscale, float* out, int64_t len, PrefetchStream* pf) {
     using T = typename Dt::T;
     constexpr int64_t D = NV * 16, G = kKeyGroup<T>, kGroups = D / G;
     __m512 acc[R][NK];
@@ -55,6 +56,7 @@ inline void scores_tiles(const typename Dt::T* q, const KeyTile<typename Dt::T>*
     for (int64_t g = 0; g < kGroups; ++g) {
         __m512i cells[NK];
         for (int i = 0; i < NK; ++i) cells[i] = key_cells16<T, kGather>(tiles[i], g, block_size);
+        pf->step();
         for (int r = 0; r < R; ++r) {
             if constexpr (std::is_same_v<Dt, BF16>) {
 #if defined(KVFLOW_AVX512BF16)
@@ -77,14 +79,14 @@ inline void scores_tiles(const typename Dt::T* q, const KeyTile<typename Dt::T>*
 // One KV head's query rows [r, r_end) against NK key tiles, up to four rows at a time.
 template <typename Dt, int NV, int NK, bool kGather>
 inline void head_scores(const typename Dt::T* q, int64_t r, int64_t r_end, const KeyTile<typename Dt::T>* tiles,
-                        int64_t block_size, __m512 vscale, float* scores, int64_t len) {
+                        int64_t block_size, __m512 vscale, float* scores, int64_t len, PrefetchStream* pf) {
     constexpr int64_t D = NV * 16;
     for (; r + 4 <= r_end; r += 4)
-        scores_tiles<Dt, NV, 4, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len);
+        scores_tiles<Dt, NV, 4, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len, pf);
     switch (r_end - r) {
-        case 3: scores_tiles<Dt, NV, 3, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len); break;
-        case 2: scores_tiles<Dt, NV, 2, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len); break;
-        case 1: scores_tiles<Dt, NV, 1, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len); break;
+        case 3: scores_tiles<Dt, NV, 3, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len, pf); break;
+        case 2: scores_tiles<Dt, NV, 2, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len, pf); break;
+        case 1: scores_tiles<Dt, NV, 1, NK, kGather>(q + r * D, tiles, block_size, vscale, scores + r * len, len, pf); break;
         default: break;
     }
 }
@@ -94,23 +96,24 @@ inline void head_scores(const typename Dt::T* q, int64_t r, int64_t r_end, const
 template <typename Dt, int NV, bool kGather>
 inline void head_scores_n(int64_t nk, const typename Dt::T* q, int64_t r, int64_t r_end,
                           const KeyTile<typename Dt::T>* tiles, int64_t block_size, __m512 vscale, float* scores,
-                          int64_t len) {
+                          int64_t len, PrefetchStream* pf) {
     if (nk == kKeyTiles) {
-        head_scores<Dt, NV, kKeyTiles, kGather>(q, r, r_end, tiles, block_size, vscale, scores, len);
+        head_scores<Dt, NV, kKeyTiles, kGather>(q, r, r_end, tiles, block_size, vscale, scores, len, pf);
         return;
     }
     for (int64_t i = 0; i < nk; ++i)
-        head_scores<Dt, NV, 1, kGather>(q, r, r_end, tiles + i, block_size, vscale, scores + 16 * i, len);
+        head_scores<Dt, NV, 1, kGather>(q, r, r_end, tiles + i, block_size, vscale, scores + 16 * i, len, pf);
 }
 
 // q.k for an item's KV heads: scores [num_item_heads * group, len]. All heads of a group of
-// tiles are done before moving on, so the pool is read once, front to back. With block_size
+// tiles are done before moving on, so the pool is read once, front to back. While a group
+// computes, the next group's blocks stream in (the last group: V's first `v_blocks` blocks). With block_size
 // a multiple of 16 a tile lies in one block and is one load per dim group; otherwise its keys
 // are gathered from the blocks they span.
 template <typename Dt, int NV>
 void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const int64_t* table, int64_t len,
                  int64_t num_item_heads, int64_t group, int64_t block_size, int64_t block_stride, float scale,
-                 float* scores) {
+                 float* scores, const typename Dt::T* value_cache, int64_t item_v_bytes, int64_t v_blocks) {
     using T = typename Dt::T;
     constexpr int64_t D = NV * 16, G = kKeyGroup<T>;
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -123,10 +126,18 @@ void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const
         prefetch_l2(key_cache + table[b] * block_stride, item_block_bytes);
     for (int64_t t0 = 0; t0 < len; t0 += 16 * kKeyTiles) {
         const int64_t nk = std::min<int64_t>(kKeyTiles, (len - t0 + 15) / 16);
-        // The next group of tiles' blocks, while this group computes (blocks lie scattered).
+        // The next group of tiles' blocks (they lie scattered), a few lines per dim group.
         const int64_t b_next = (t0 + 16 * kKeyTiles) / block_size,
                       b_last = std::min(num_blocks, (t0 + 32 * kKeyTiles + block_size - 1) / block_size);
-        for (int64_t b = b_next; b < b_last; ++b) prefetch_l2(key_cache + table[b] * block_stride, item_block_bytes);
+        PrefetchStream pf;
+        pf.reset(item_block_bytes);
+        for (int64_t b = b_next; b < b_last; ++b) pf.add(key_cache + table[b] * block_stride);
+        if (b_next >= num_blocks) {
+            pf.reset(item_v_bytes);
+            for (int64_t b = 0; b < std::min(num_blocks, v_blocks); ++b) pf.add(value_cache + table[b] * block_stride);
+        }
+        // scores_tiles calls per head: row passes of up to 4 x (one per tile when nk < kKeyTiles), D / G steps each
+        pf.spread(num_item_heads * ((group + 3) / 4) * (nk == kKeyTiles ? 1 : nk) * (D / G));
         KeyTile<T> tiles[kKeyTiles];
         for (int64_t i = 0; i < nk; ++i) {
             const int64_t t = t0 + 16 * i;
@@ -153,11 +164,12 @@ void item_scores(const typename Dt::T* q, const typename Dt::T* key_cache, const
             }
             if (contiguous)
                 head_scores_n<Dt, NV, false>(nk, q, h * group, (h + 1) * group, head_tiles, block_size, vscale,
-                                             scores + t0, len);
+                                             scores + t0, len, &pf);
             else
                 head_scores_n<Dt, NV, true>(nk, q, h * group, (h + 1) * group, head_tiles, block_size, vscale,
-                                            scores + t0, len);
+                                            scores + t0, len, &pf);
         }
+        pf.drain();
     }
 }
 

@@ -47,13 +47,21 @@ constexpr int kMaxHeadDim = 256;
 using kvflow::load16;
 using namespace kvflow::decode;  // q.k (decode_qk.h), softmax and p.V (decode_pv.h)
 
+// The item a thread computes after this one: its keys are asked for during this one's p.V.
+template <typename T>
+struct NextItem {
+    const T* key_cache = nullptr;  // its first KV head's keys; null: none
+    const int64_t* table = nullptr;
+    int64_t len = 0;
+};
+
 // One sequence's query rows for `num_item_heads` adjacent KV heads. work: rows x (head_dim + 1)
 // floats of scratch (the output accumulators and each row's 1 / sum).
 template <typename Dt, int NV>
 void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache, const typename Dt::T* value_cache,
                         const int64_t* table, int64_t len, typename Dt::T* out, int64_t num_item_heads, int64_t group,
                         int64_t block_size, int64_t token_stride, int64_t block_stride, float scale, float* scores,
-                        float* work) {
+                        float* work, const NextItem<typename Dt::T>& next) {
     using T = typename Dt::T;
     constexpr int64_t head_dim = NV * 16;
     const int64_t rows = num_item_heads * group;
@@ -63,9 +71,12 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
     const int64_t item_v_bytes = ((block_size - 1) * token_stride + num_item_heads * head_dim) * static_cast<int64_t>(sizeof(T));
     const int64_t num_blocks = (len + block_size - 1) / block_size;
     constexpr int64_t kPrefetchBlocks = 2;  // V blocks asked for ahead of p.V
-    item_scores<Dt, NV>(q, key_cache, table, len, num_item_heads, group, block_size, block_stride, scale, scores);
-    for (int64_t b = 0; b < std::min(num_blocks, kPrefetchBlocks); ++b)  // while the softmax runs
-        kvflow::prefetch_l2(value_cache + table[b] * block_stride, item_v_bytes);
+    item_scores<Dt, NV>(q, key_cache, table, len, num_item_heads, group, block_size, block_stride, scale, scores,
+                        value_cache, item_v_bytes, kPrefetchBlocks);
+    const int64_t item_k_bytes = num_item_heads * head_dim * block_size * static_cast<int64_t>(sizeof(T));
+    // The next item's blocks that its first q.k group reads (decode_qk.h asks for later ones itself).
+    const int64_t next_blocks = next.key_cache == nullptr ? 0
+        : std::min((next.len + block_size - 1) / block_size, (16 * kKeyTiles + block_size - 1) / block_size);
     std::fill(acc, acc + rows * head_dim, 0.f);
 #if defined(KVFLOW_AVX512BF16)
     if constexpr (std::is_same_v<Dt, BF16>) {
@@ -76,14 +87,23 @@ void decode_item_avx512(const typename Dt::T* q, const typename Dt::T* key_cache
         if (block_size % 2 == 0) {
             for (int64_t b = 0; b < num_blocks; ++b) {
                 const int64_t t_begin = b * block_size, t_end = std::min(len, t_begin + block_size);
-                if (b + kPrefetchBlocks < num_blocks)
-                    kvflow::prefetch_l2(value_cache + table[b + kPrefetchBlocks] * block_stride, item_v_bytes);
+                // While this block's p.V runs: a later V block, or near the end the next item's keys.
+                kvflow::PrefetchStream pf;
+                if (b + kPrefetchBlocks < num_blocks) {
+                    pf.reset(item_v_bytes);
+                    pf.add(value_cache + table[b + kPrefetchBlocks] * block_stride);
+                } else if (b + kPrefetchBlocks == num_blocks || (b == 0 && num_blocks < kPrefetchBlocks)) {
+                    pf.reset(item_k_bytes);
+                    for (int64_t nb = 0; nb < next_blocks; ++nb) pf.add(next.key_cache + next.table[nb] * block_stride);
+                }
+                pf.spread(num_item_heads * ((group + kPVRows<NV> - 1) / kPVRows<NV>) * ((t_end - t_begin + 1) / 2));
                 for (int64_t h = 0; h < num_item_heads; ++h) {
                     const T* vrow0 = value_cache + table[b] * block_stride + h * head_dim;
                     pv_pairs<NV>(p + h * group * 2 * len, 2 * len, group, t_begin, t_end,
                                  [=](int64_t t) { return vrow0 + (t - t_begin) * token_stride; },
-                                 acc + h * group * head_dim);
+                                 acc + h * group * head_dim, &pf);
                 }
+                pf.drain();
             }
         } else {
             for (int64_t h = 0; h < num_item_heads; ++h)
@@ -168,8 +188,11 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
         std::vector<float> scores;  // [item rows, seq_len], reused across this thread's items
         std::vector<float> work(static_cast<size_t>(item_heads * group * (head_dim + 1)));
         std::vector<const typename Dt::T*> vrows;  // the portable path's V row of each key
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
+        // Items round-robin in length order (not taken dynamically), so each thread knows its
+        // next item and asks for that item's first keys while it finishes this one: decode
+        // attention is a stream over scattered blocks, and a cold start per item cost ~10 %.
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        for (int64_t item = tid; item < num_items; item += nt) {
             const int64_t s = by_length[item / items_per_seq], h = (item % items_per_seq) * item_heads;
             const int64_t len = seq_lens[s];
             scores.resize(static_cast<size_t>(item_heads * group * kvflow::ref::score_stride(len)));
@@ -179,8 +202,15 @@ void decode(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
             const int64_t* table = block_tables + s * block_table_stride;
 #if defined(KVFLOW_AVX512F)
             if (!portable) {
+                NextItem<typename Dt::T> next;
+                if (item + nt < num_items) {
+                    const int64_t s_next = by_length[(item + nt) / items_per_seq];
+                    next.key_cache = key_cache + ((item + nt) % items_per_seq) * item_heads * head_dim * block_size;
+                    next.table = block_tables + s_next * block_table_stride;
+                    next.len = seq_lens[s_next];
+                }
                 fast(q + q_offset, key_cache + h * head_dim * block_size, value_cache + h * head_dim, table, len, out + out_offset,
-                     item_heads, group, block_size, token_stride, block_stride, scale, scores.data(), work.data());
+                     item_heads, group, block_size, token_stride, block_stride, scale, scores.data(), work.data(), next);
                 continue;
             }
 #endif

@@ -107,11 +107,16 @@ struct PackedQuants {
 };
 
 // ... or a tile unpacked once per call into memory (`store_tile`), for prefill-sized M.
+template <int Bits>
 struct StoredTile {
     const uint16_t* tile;
     int64_t tile_stride;  // uint16 elements between tiles
+    const uint8_t* next_q;  // the next chunk's quants, asked for into L2 meanwhile; or null
+    int64_t q_tile_bytes;
     inline void block(int j, int64_t b, __m512i& even, __m512i& odd) const {
         const uint16_t* src = tile + j * tile_stride + b * 64;
+        if (next_q != nullptr && (Bits == 8 || (b & 1) == 0))
+            _mm_prefetch(reinterpret_cast<const char*>(next_q + j * q_tile_bytes + b * Unpack<Bits>::kBytes), _MM_HINT_T1);
         // Each row block streams the tile from L2 again: into L1 4 KiB ahead, as the bf16 GEMM does.
         _mm_prefetch(reinterpret_cast<const char*>(src + 2048), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(src + 2048 + 32), _MM_HINT_T0);
@@ -124,6 +129,8 @@ template <int Bits>
 void store_tile(const uint8_t* q, int64_t k, uint16_t* out) {
     for (int64_t b = 0; b < k / 4; ++b) {
         __m512i even, odd;
+        if (Bits == 8 || (b & 1) == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(q + b * Unpack<Bits>::kBytes + kPrefetchBytes), _MM_HINT_T1);
         Unpack<Bits>::block(q + b * Unpack<Bits>::kBytes, even, odd);
         _mm512_storeu_si512(out + b * 64, even);
         _mm512_storeu_si512(out + b * 64 + 32, odd);
@@ -256,8 +263,15 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
             }
             if (tiles == nullptr) continue;  // out of memory: `failed` is set
             for (int64_t t = 0; t < (full ? kNT : 1); ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, w.k, tiles + t * tile_stride);
-            const StoredTile src{tiles, tile_stride};
-            kvflow::for_each_row_block(m, [&](int64_t r, int64_t block_rows) { row_block(src, r, block_rows); });
+            // The second row block also asks for the next chunk's quants, so that chunk's
+            // store_tile reads L2, not memory (int8 and int4 at 128-256 rows: 4-6 % faster).
+            const bool next_full = n0 + 2 * kTileCols * kNT <= n;
+            const StoredTile<Bits> plain{tiles, tile_stride, nullptr, bytes};
+            const StoredTile<Bits> with_next{tiles, tile_stride, next_full ? w.q + (tile0 + kNT) * bytes : nullptr, bytes};
+            int64_t block_index = 0;
+            kvflow::for_each_row_block(m, [&](int64_t r, int64_t block_rows) {
+                row_block(block_index++ == 1 ? with_next : plain, r, block_rows);
+            });
         }
         std::free(tiles);
     }

@@ -78,12 +78,15 @@ class ModelRunner:
         eos_token_ids: list[int],
         kv_cache_dtype: str = "auto",
         device: torch.device | str = "cpu",
+        kv_caches: list | None = None,
     ) -> None:
+        """`kv_caches`: another runner's caches to run on instead of allocating a pool (a
+        self-draft shares its target's, spec_decode/draft_model.py)."""
         self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
         self.device = torch.device(device)
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = attn_backend.allocate_kv_caches(
+        self.kv_caches = kv_caches if kv_caches is not None else attn_backend.allocate_kv_caches(
             model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype, kv_cache_dtype)
         self.decode_graphs = None  # CUDA graphs of decode steps, once captured

@@ -10,6 +10,16 @@ proposal is k small steps over every speculating sequence at once:
 The draft's K/V past the kept tokens is dropped at the next proposal (the common prefix of
 what the draft saw and what the sequence holds), exactly as the target rolls back.
 
+A self-draft (the target's own checkpoint under another quantization, `shares_target_kv`)
+has no cache of its own: it reads the target's K/V of the sequence, which the target has
+computed for every token but the last, and writes its own K/V only at the positions the
+target's next step rewrites (the last token and the guesses, in the sequence's own blocks
+past its computed tokens). So it never catches up (no second prefill of every prompt, which
+at one thread cost as much as the target's), never rolls back, and needs no pool of its own.
+The blocks it takes for its guesses go back before the step is scheduled. Its guesses are
+the int4 model's over the target's keys and values: a proposal like any other, which the
+verification keeps or rejects exactly.
+
 Greedy requests take the draft's argmax. Sampled requests draw each guess from the draft's
 own distribution q under the request's sampling parameters (temperature, top-k/top-p/min-p,
 penalties seeing earlier guesses), with the request's generator, and hand q to the
@@ -20,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import os
 
 import torch
 
@@ -68,8 +80,10 @@ class Proposal:
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: list[int],
-                 max_catch_up_tokens: int = 2048) -> None:
+                 max_catch_up_tokens: int = 2048, shares_target_kv: bool = False) -> None:
         self.model, self.runner, self.kv = model, runner, kv
+        # True: `kv` and the runner's caches are the target's own (a self-draft; see the module docstring).
+        self.shares_target_kv = shares_target_kv
         self.eos_token_ids = eos_token_ids
         # Tokens the draft may catch up on per step (the target's token budget): a long prompt
         # is caught up over several steps, without guesses until it is done.
@@ -82,7 +96,9 @@ class DraftModelProposer:
         views, ks, rows, chunks = [], [], [], []
         budget = self.max_catch_up_tokens
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
-            view = self._catch_up(seq) if k > 0 and budget > 0 else None
+            if k < 1 or budget < 1:
+                continue
+            view = self._shared_view(seq) if self.shares_target_kv else self._catch_up(seq)
             if view is None:
                 continue
             chunk = min(view.num_tokens - view.num_computed_tokens, budget)
@@ -118,18 +134,35 @@ class DraftModelProposer:
                     views[a].token_ids.append(tokens[j])
                     still.append(a)
             active = still
+        if self.shares_target_kv:  # the blocks taken for guesses go back; the target's step allocates its own
+            for i in rows:
+                self.kv.trim(seqs[i])
         out = [Proposal([], None) for _ in seqs]
         for a, i in enumerate(rows):
             out[i] = Proposal(drafts[a], torch.stack(probs[a]) if probs[a] else None)
         return out
 
-    def _catch_up(self, seq: "Sequence") -> DraftSequence | None:
-        """Roll the draft back to what it saw that still stands, and give it slots for the rest."""
+    def _view(self, seq: "Sequence") -> DraftSequence:
         view = self._seen.get(seq.request_id)
         if view is None:
             seed = seq.params.seed
             generator = torch.Generator().manual_seed(seed ^ DRAFT_SEED_SALT) if seed is not None else None
             view = self._seen[seq.request_id] = DraftSequence(seq.request_id, generator=generator)
+        return view
+
+    def _shared_view(self, seq: "Sequence") -> DraftSequence | None:
+        """A self-draft starts where the target's K/V ends (all tokens but the last) and needs
+        slots in the target's pool for the last token and the guesses it feeds."""
+        view = self._view(seq)
+        view.token_ids = list(seq.all_token_ids)  # guesses are appended to this copy
+        view.num_computed_tokens = seq.num_computed_tokens
+        if not self.kv.allocate_slots(view, view.num_tokens - view.num_computed_tokens):
+            return None  # no room: this sequence decodes without guesses this step
+        return view
+
+    def _catch_up(self, seq: "Sequence") -> DraftSequence | None:
+        """Roll the draft back to what it saw that still stands, and give it slots for the rest."""
+        view = self._view(seq)
         tokens = seq.all_token_ids
         keep = min(view.num_computed_tokens, len(tokens) - 1)  # the last token is always fed again
         start = max(0, keep - len(seq.output_token_ids) - 1)  # before that, tokens never change
@@ -164,7 +197,7 @@ class DraftModelProposer:
 
     def forget(self, request_id: str) -> None:
         view = self._seen.pop(request_id, None)
-        if view is not None:
+        if view is not None and not self.shares_target_kv:  # shared blocks are the target sequence's
             self.kv.free(view)
 
 
@@ -186,18 +219,33 @@ def draft_model_config(config: "SpeculativeConfig", target: ModelConfig, max_mod
     return path, cfg
 
 
+def shares_target_kv(target_path: str, target: ModelConfig, draft_path: str, draft: ModelConfig,
+                     device: str = "cpu") -> bool:
+    """Whether the draft is the target's own checkpoint (a self-draft, under another
+    quantization), which then reads and writes the target's KV cache instead of its own: the
+    same layers, heads and positions, so the target's K/V is what the draft's own would be up
+    to the quantization. On the CPU, where both models run in one process on one pool."""
+    return device == "cpu" and os.path.realpath(target_path) == os.path.realpath(draft_path) and target == draft
+
+
 def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: torch.dtype,
                         attn_backend: AttentionBackend, eos_token_ids: list[int], seed: int = 0,
                         target_vocab: dict[str, int] | None = None, draft_vocab: dict[str, int] | None = None,
-                        max_catch_up_tokens: int = 2048, quantization: QuantizationConfig | None = None
-                        ) -> DraftModelProposer:
+                        max_catch_up_tokens: int = 2048, quantization: QuantizationConfig | None = None,
+                        target_runner: ModelRunner | None = None) -> DraftModelProposer:
     """Load the draft's weights (quantized as `quantization` says) and give it a KV pool as
-    large (in tokens) as the target's."""
+    large (in tokens) as the target's, or, with `target_runner` (a self-draft, see
+    `shares_target_kv`), the target's own pool and caches."""
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
         differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
         raise ValueError(f"speculative_config.model: the draft's tokenizer maps tokens differently from the "
                          f"target's (e.g. {differ}); a draft must share the target's tokenizer")
     model = load_model(path, cfg, dtype, attn_backend, "auto", seed, quantization)
+    if target_runner is not None:
+        runner = ModelRunner(model, attn_backend, cfg, target_runner.kv, dtype, eos_token_ids,
+                             kv_caches=target_runner.kv_caches)
+        return DraftModelProposer(model, runner, target_runner.kv, eos_token_ids, max_catch_up_tokens,
+                                  shares_target_kv=True)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
     runner = ModelRunner(model, attn_backend, cfg, kv, dtype, eos_token_ids)
     return DraftModelProposer(model, runner, kv, eos_token_ids, max_catch_up_tokens)

@@ -81,6 +81,8 @@ def instrument(engine: LLMEngine, timer: StepTimer) -> None:
         if draft is not None:
             timer.wrap(draft, "_catch_up", "draft rollback + slots")
             timer.wrap(draft.runner, "prepare_inputs", "draft inputs")
+            if hasattr(draft, "_decode_inputs"):  # a self-draft's one-token rows (shared KV)
+                timer.wrap(draft, "_decode_inputs", "draft inputs")
             timer.wrap(draft.model, "forward", lambda a, _: f"draft forward ({min(a[0].numel(), PREFILL_TOKENS)}"
                        f"{'+' if a[0].numel() >= PREFILL_TOKENS else ''} tok)")
             timer.wrap(draft.model, "compute_logits", "draft LM head")
@@ -155,8 +157,10 @@ def main() -> None:
         print(f"{k:50s} {table['plain'][0].get(k, 0.0):9.2f} {table['spec'][0].get(k, 0.0):9.2f} {calls:11.2f}")
     for name in ("plain", "spec"):
         per_step, n, tokens, per = table[name]
+        prefill = [s for s in steps[name] if s[0]]
         print(f"{name}: {n} decode steps, {tokens} tokens, {per:.2f} tokens/step, "
-              f"{per_step['step (total)'] / per:.2f} ms/token")
+              f"{per_step['step (total)'] / per:.2f} ms/token; {len(prefill)} prefill steps, "
+              f"{sum(s[1] for s in prefill):.2f} s; all steps {sum(s[1] for s in steps[name]):.2f} s")
     ratio = (table["plain"][0]["step (total)"] / table["plain"][3]) / (table["spec"][0]["step (total)"] / table["spec"][3])
     print(f"decode-only speed-up x{ratio:.2f}; greedy outputs identical: {outs['plain'] == outs['spec']}")
     if args.json:

@@ -74,9 +74,11 @@ def test_the_target_as_its_own_draft_is_always_right(target):
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
 
-def test_seeded_sampling_repeats(target, draft):
+@pytest.mark.parametrize("self_draft", [False, True], ids=["draft", "int4-self-draft"])
+def test_seeded_sampling_repeats(target, draft, self_draft):
     params = SamplingParams(temperature=0.7, seed=9, max_tokens=20)
-    llm = LLM(target, dtype="float32", speculative_config=_spec(draft))
+    spec = {**_spec(target), "quantization": "int4"} if self_draft else _spec(draft)
+    llm = LLM(target, dtype="float32", speculative_config=spec)
     first = _run(llm, params)
     assert _run(llm, params) == first
     assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0

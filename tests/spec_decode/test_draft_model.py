@@ -165,8 +165,9 @@ def test_a_self_draft_runs_on_the_targets_cache(target, draft, capsys):
 
 
 @pytest.mark.parametrize("layout", [{"max_num_batched_tokens": 9, "block_size": 4},
-                                    {"block_size": 1, "kv_cache_memory": 200 * 512, "max_model_len": 192}],
-                         ids=["chunked", "tight-pool"])
+                                    {"block_size": 1, "kv_cache_memory": 200 * 512, "max_model_len": 192},
+                                    {"kv_cache_dtype": "int8"}],
+                         ids=["chunked", "tight-pool", "int8-kv"])
 def test_a_self_draft_keeps_the_pool_whole_after_every_step(target, layout):
     """Stepping by hand: after every step each running sequence holds exactly the blocks of its
     computed tokens (the draft's guess blocks went back), the pool's counts agree, and greedy
@@ -191,6 +192,8 @@ def test_a_self_draft_keeps_the_pool_whole_after_every_step(target, layout):
             for seq in engine.scheduler.running:
                 assert len(kv.block_table(seq.request_id)) == kv.blocks_needed(seq.num_computed_tokens)
         assert kv.num_free_blocks == kv.num_blocks
+        if spec is not None:
+            assert engine.get_stats().spec_decode.num_accepted_tokens > 0
         return done, engine.scheduler.num_preemptions
 
     plain, _ = generate(None)

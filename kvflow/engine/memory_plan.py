@@ -186,8 +186,9 @@ def plan_kv_cache(
     gpu_memory_utilization: float | None = None,
 ) -> KVCachePlan:
     """`draft`: a speculative draft model, whose weights and KV cache (as many tokens as the
-    target's) come out of the same budget; with `draft_shares_kv` (a self-draft) only its weights. `quantization`: the linear weights' format (the
-    embedding and LM head stay in `dtype`; a quantized head is not counted as smaller).
+    target's) come out of the same budget; with `draft_shares_kv` (a self-draft on the target's
+    cache) only its weights. `quantization`: the linear weights' format (the embedding and LM
+    head stay in `dtype`; a quantized head is not counted as smaller).
     `kv_cache_dtype`: the target's KV storage ("auto" or "int8"; a draft keeps `dtype`).
     `device_memory`: (free, total) bytes of the GPU the pool goes on (None: the CPU); there the
     default budget is `gpu_memory_utilization` (0.9) of the total, less what is already in use,

@@ -28,10 +28,9 @@ rejection sampler, which keeps the target's distribution exact whatever q is.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import os
 
 import torch
 

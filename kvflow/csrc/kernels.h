@@ -38,6 +38,15 @@ int kvflow_paged_decode_attention(int dtype, const void* q, int64_t q_stride, co
                                   const int64_t* seq_lens, void* out, int64_t num_seqs, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                   int portable);
+int kvflow_decode_fast_path(int dtype, int64_t head_dim);
+int kvflow_prefill_fast_path(int dtype, int64_t head_dim);
+int kvflow_max_group();
+int kvflow_max_head_dim();
+int kvflow_packed_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
+                                    const void* value_cache, const int64_t* block_tables, int64_t block_table_stride,
+                                    const int64_t* query_start, const int64_t* seq_lens, void* out, int64_t out_stride,
+                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t block_size, float scale);
 int kvflow_paged_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
                                    const void* value_cache, const int64_t* block_tables, int64_t block_table_stride,
                                    const int64_t* query_start, const int64_t* seq_lens, void* out, int64_t out_stride,

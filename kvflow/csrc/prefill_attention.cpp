@@ -327,9 +327,25 @@ extern "C" int64_t kvflow_prefill_pack_budget(int64_t bytes) {
 #endif
 }
 
+// 1 when prefill attention in this dtype runs its AVX-512 path for this head_dim, else 0
+// (attention_ref.h); short_chunks.cpp sends a chunk to the decode kernel only where both
+// kernels take the same kind of path.
+extern "C" int kvflow_prefill_fast_path(int dtype, int64_t head_dim) {
+    [[maybe_unused]] const bool avx512_shape = head_dim % 16 == 0 && head_dim <= 256;
+#if defined(KVFLOW_AVX512F)
+    if (dtype == 0) return avx512_shape ? 1 : 0;
+#endif
+#if defined(KVFLOW_AVX512F) && defined(KVFLOW_AVX512BF16)
+    if (dtype == 1) return avx512_shape ? 1 : 0;
+#endif
+    return 0;
+}
+
+// The packed-K/V kernel for every chunk of the batch, whatever its length; callers go through
+// kvflow_paged_prefill_attention (short_chunks.cpp), which sends short chunks to the decode kernel.
 // dtype: 0 = float32 (needs AVX-512F), 1 = bfloat16 (needs AVX512-BF16); -2 when the CPU
 // lacks what the dtype needs.
-extern "C" int kvflow_paged_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
+extern "C" int kvflow_packed_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* key_cache,
                                               const void* value_cache, const int64_t* block_tables,
                                               int64_t block_table_stride, const int64_t* query_start,
                                               const int64_t* seq_lens, void* out, int64_t out_stride,

@@ -24,6 +24,7 @@ import time
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
+from kvflow.device import resolve_device
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
@@ -62,12 +63,16 @@ class LLMEngine:
         # engine itself runs every request's SamplingParams exactly as given.
         self.sampling_defaults: SamplingDefaults = load_sampling_defaults(path, config.generation_config)
         spec = config.speculative_config
-        draft_path, draft_cfg = None, None
+        draft_path, draft_cfg, draft_shares_kv = None, None, False
         if spec is not None and spec.method == "draft_model":
-            from kvflow.spec_decode.draft_model import draft_model_config
+            from kvflow.spec_decode.draft_model import draft_model_config, shares_target_kv
 
             draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
-        placement = place_model(config, path, self.model_config, self.dtype, self.max_model_len, draft_cfg)
+            draft_shares_kv = (shares_target_kv(path, self.model_config, draft_path, draft_cfg,
+                                                resolve_device(config.device).type)
+                               and config.tensor_parallel_size == config.pipeline_parallel_size == 1)
+        placement = place_model(config, path, self.model_config, self.dtype, self.max_model_len, draft_cfg,
+                                draft_shares_kv)
         self.device, self.quantization, self.parallel = placement.device, placement.quantization, placement.parallel
         self.distributed = placement.distributed
         self.plan: KVCachePlan = placement.plan
@@ -97,7 +102,8 @@ class LLMEngine:
                     draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
                     max_catch_up_tokens=config.max_num_batched_tokens,
                     quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype,
-                                                      quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None))
+                                                      quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None),
+                    target_runner=self.runner if draft_shares_kv else None)
             self.speculator = Speculator(spec, self.max_model_len, draft)
         # P > 1: P batches in flight; one at a time with drafts (they are proposed from tokens not yet back)
         self.batch_queue = BatchQueue(self.scheduler, self.runner, self.parallel.pipeline_parallel_size) if (

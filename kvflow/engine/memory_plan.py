@@ -38,6 +38,7 @@ class KVCachePlan:
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) or "int8"
     # Bytes per token of each KV cache dtype this model could use, for the comparison rows.
     bytes_per_token_by_kv_dtype: dict[str, int] = field(default_factory=dict)
+    draft_shares_kv: bool = False  # a self-draft runs on the target's cache (spec_decode/draft_model.py)
 
     @property
     def bytes_per_block(self) -> int:
@@ -74,6 +75,9 @@ class KVCachePlan:
                ("draft KV per token", f"{self.draft_bytes_per_token:,} B"),
                ("draft KV cache", f"{_fmt_bytes(self.draft_bytes_per_token * self.num_tokens)} "
                                   f"(the same {self.num_tokens:,} tokens)")] if self.draft_bytes_per_token else []),
+            *([("draft weights", _fmt_bytes(self.draft_weight_bytes)),
+               ("draft KV cache", "the target's (a self-draft reads and writes the target's K/V)")]
+              if self.draft_shares_kv else []),
             ("max model len", f"{self.max_model_len:,} tokens"),
             ("max concurrency", f"{self.max_concurrency:.2f} sequences at max model len"),
         ]
@@ -175,14 +179,16 @@ def plan_kv_cache(
     memory_utilization: float | None = None,
     activation_bytes: int = 0,
     draft: ModelConfig | None = None,
+    draft_shares_kv: bool = False,
     quantization: QuantizationConfig | None = None,
     kv_cache_dtype: str = "auto",
     device_memory: tuple[int, int] | None = None,
     gpu_memory_utilization: float | None = None,
 ) -> KVCachePlan:
     """`draft`: a speculative draft model, whose weights and KV cache (as many tokens as the
-    target's) come out of the same budget. `quantization`: the linear weights' format (the
-    embedding and LM head stay in `dtype`; a quantized head is not counted as smaller).
+    target's) come out of the same budget; with `draft_shares_kv` (a self-draft on the target's
+    cache) only its weights. `quantization`: the linear weights' format (the embedding and LM
+    head stay in `dtype`; a quantized head is not counted as smaller).
     `kv_cache_dtype`: the target's KV storage ("auto" or "int8"; a draft keeps `dtype`).
     `device_memory`: (free, total) bytes of the GPU the pool goes on (None: the CPU); there the
     default budget is `gpu_memory_utilization` (0.9) of the total, less what is already in use,
@@ -206,7 +212,7 @@ def plan_kv_cache(
     by_kv_dtype = {_dtype_name(dtype): cfg.kv_bytes_per_token(dtype)}
     if cfg.head_dim % 4 == 0 and device_memory is None:  # (CPU only) what the int8 cache's key cells need
         by_kv_dtype["int8"] = cfg.kv_bytes_per_token(dtype, "int8")
-    draft_bpt = draft.kv_bytes_per_token(dtype) if draft is not None else 0
+    draft_bpt = draft.kv_bytes_per_token(dtype) if draft is not None and not draft_shares_kv else 0
     draft_weights = draft.num_parameters() * elem if draft is not None else 0
     one_sequence = -(-max_model_len // block_size) * block_size * (bytes_per_token + draft_bpt)
     if device_memory is not None:
@@ -227,7 +233,7 @@ def plan_kv_cache(
     num_blocks = budget // ((bytes_per_token + draft_bpt) * block_size)
     plan = KVCachePlan(dtype, block_size, bytes_per_token, num_blocks, max_model_len, weight_bytes, draft_bpt,
                        draft_weights, quantization.describe() if quantization is not None else "none",
-                       kv_cache_dtype, by_kv_dtype)
+                       kv_cache_dtype, by_kv_dtype, draft_shares_kv=draft is not None and draft_shares_kv)
     if plan.num_tokens < max_model_len:
         need = one_sequence
         whose = " with the draft model's (speculative_config.model) beside it" if draft is not None else ""

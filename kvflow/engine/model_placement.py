@@ -37,7 +37,7 @@ class ModelPlacement:
 
 
 def place_model(config: EngineConfig, path: str, model_config: ModelConfig, dtype: torch.dtype,
-                max_model_len: int, draft_cfg: ModelConfig | None) -> ModelPlacement:
+                max_model_len: int, draft_cfg: ModelConfig | None, draft_shares_kv: bool = False) -> ModelPlacement:
     """Resolve the device and weight format, start the ranks if any, plan the KV cache and load
     the model (in this process unless ranks hold it). Bad combinations fail here, naming the setting."""
     device = resolve_device(config.device)
@@ -63,6 +63,7 @@ def place_model(config: EngineConfig, path: str, model_config: ModelConfig, dtyp
     plan = distributed.plan if distributed else plan_kv_cache(
         model_config, dtype, config.block_size, max_model_len,
         kv_cache_memory=config.kv_cache_memory, memory_utilization=config.memory_utilization, draft=draft_cfg,
+        draft_shares_kv=draft_shares_kv,
         quantization=quantization, kv_cache_dtype=config.kv_cache_dtype, device_memory=device_memory,
         gpu_memory_utilization=config.gpu_memory_utilization, activation_bytes=activation_bytes,
     )

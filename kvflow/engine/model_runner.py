@@ -29,8 +29,8 @@ from kvflow.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprob
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvflow.engine.sequence import Sequence
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
-from kvflow.sampling.sampler import Sampler, SamplingMetadata
-from kvflow.spec_decode.rejection_sampler import RejectionSampler
+from kvflow.sampling.sampler import Sampler, SamplingMetadata, greedy
+from kvflow.spec_decode.rejection_sampler import RejectionSampler, verify_greedy
 from kvflow.structured_output.manager import fill_token_bitmask
 
 
@@ -78,12 +78,15 @@ class ModelRunner:
         eos_token_ids: list[int],
         kv_cache_dtype: str = "auto",
         device: torch.device | str = "cpu",
+        kv_caches: list | None = None,
     ) -> None:
+        """`kv_caches`: another runner's caches to run on instead of allocating a pool (a
+        self-draft shares its target's, spec_decode/draft_model.py)."""
         self.model, self.model_config, self.kv = model, model_config, kv_cache_manager
         self.device = torch.device(device)
         self.block_size = kv_cache_manager.block_size
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = attn_backend.allocate_kv_caches(
+        self.kv_caches = kv_caches if kv_caches is not None else attn_backend.allocate_kv_caches(
             model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype, kv_cache_dtype)
         self.decode_graphs = None  # CUDA graphs of decode steps, once captured
@@ -200,6 +203,18 @@ class ModelRunner:
         so penalties and min_tokens see exactly what they would have seen one token at a time.
         """
         logits = logits.cpu()  # the rejection sampler's indices and generators are the host's
+        if all(_bare_greedy(it.seq) for it in items):
+            # What the rejection sampler comes to for these rows (no penalties, bans or logprobs
+            # to apply): each row's argmax, drafts kept while they match. At batch 1 its
+            # metadata cost more than the comparison (a few percent of a speculative step).
+            targets = greedy(logits).tolist()
+            results, start = [], 0
+            for it in items:
+                k = len(it.spec_token_ids)
+                tokens = verify_greedy(targets[start:start + k + 1], it.spec_token_ids)
+                results.append(SampledTokens(it.seq, tokens, None, k, len(tokens) - 1))
+                start += k + 1
+            return results
         starts = np.cumsum([0] + [len(it.spec_token_ids) + 1 for it in items])
         plain = [i for i, it in enumerate(items) if not it.spec_token_ids]
         spec = [i for i, it in enumerate(items) if it.spec_token_ids]
@@ -233,3 +248,11 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             vocab_size=vocab_size,
         )
+
+
+def _bare_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing to apply before the argmax: no penalties, no min_tokens still due,
+    no logprobs, no grammar."""
+    p = seq.params
+    return (p.is_greedy and not p.has_penalties and p.logprobs is None and seq.grammar_state is None
+            and p.min_tokens <= len(seq.output_token_ids))

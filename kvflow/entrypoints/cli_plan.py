@@ -34,11 +34,11 @@ def run_plan(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, cfg)
     max_model_len = resolve_max_model_len(cfg, args.max_model_len)
     spec = SpeculativeConfig.parse(args.speculative_config)
-    draft = None
+    draft, draft_path = None, None
     if spec is not None and spec.method == "draft_model":
         from kvflow.spec_decode.draft_model import draft_model_config
 
-        draft = draft_model_config(spec, cfg, max_model_len)[1]
+        draft_path, draft = draft_model_config(spec, cfg, max_model_len)
     quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
                                         args.quantize_lm_head, args.dtype)
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
@@ -53,11 +53,17 @@ def run_plan(args: argparse.Namespace) -> int:
         resolve_device(args.device) if args.device_memory is None else torch.device("cuda"), cfg, dtype,
         defaults.max_num_batched_tokens, defaults.max_num_seqs, args.device_memory)
     on_gpu = device_memory is not None
+    draft_shares_kv = False
+    if draft is not None:
+        from kvflow.spec_decode.draft_model import shares_target_kv
+
+        draft_shares_kv = shares_target_kv(path, cfg, draft_path, draft, "cuda" if on_gpu else "cpu")
     if on_gpu and args.quantization is None:  # CUDA runs a quantized checkpoint dequantized
         quantization = resolve_quantization(path, "none", args.quantization_group_size, args.quantize_lm_head,
                                             args.dtype)
     plan = plan_kv_cache(cfg, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
-                         memory_utilization=args.memory_utilization, draft=draft, quantization=quantization,
+                         memory_utilization=args.memory_utilization, draft=draft, draft_shares_kv=draft_shares_kv,
+                         quantization=quantization,
                          kv_cache_dtype=args.kv_cache_dtype, device_memory=device_memory,
                          gpu_memory_utilization=args.gpu_memory_utilization, activation_bytes=activation_bytes)
     if device_memory is not None:

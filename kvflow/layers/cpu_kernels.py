@@ -120,6 +120,9 @@ class CPUKernels:
         self.lib.kvflow_decode_fast_path.argtypes = [ctypes.c_int, i64]
         self.lib.kvflow_prefill_pack_budget.argtypes = [i64]
         self.lib.kvflow_prefill_pack_budget.restype = i64
+        # Chunks of up to this many tokens run through the decode kernel (csrc/short_chunks.cpp).
+        self.lib.kvflow_prefill_short_chunk.argtypes = [i64]
+        self.lib.kvflow_prefill_short_chunk.restype = i64
         self.max_group = self.lib.kvflow_max_group()
         self.max_head_dim = self.lib.kvflow_max_head_dim()
         self.lib.kvflow_pack_bf16_weight.argtypes = [ptr, i64, i64, ptr]

@@ -10,6 +10,16 @@ proposal is k small steps over every speculating sequence at once:
 The draft's K/V past the kept tokens is dropped at the next proposal (the common prefix of
 what the draft saw and what the sequence holds), exactly as the target rolls back.
 
+A self-draft (the target's own checkpoint under another quantization, `shares_target_kv`)
+has no cache of its own: it reads the target's K/V of the sequence, which the target has
+computed for every token but the last, and writes its own K/V only at the positions the
+target's next step rewrites (the last token and the guesses, in the sequence's own blocks
+past its computed tokens). So it never catches up (no second prefill of every prompt, which
+at one thread cost as much as the target's), never rolls back, and needs no pool of its own.
+The blocks it takes for its guesses go back before the step is scheduled. Its guesses are
+the int4 model's over the target's keys and values: a proposal like any other, which the
+verification keeps or rejects exactly.
+
 Greedy requests take the draft's argmax. Sampled requests draw each guess from the draft's
 own distribution q under the request's sampling parameters (temperature, top-k/top-p/min-p,
 penalties seeing earlier guesses), with the request's generator, and hand q to the
@@ -18,6 +28,7 @@ rejection sampler, which keeps the target's distribution exact whatever q is.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +38,7 @@ from kvflow.config import ModelConfig
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_runner import ModelRunner
-from kvflow.layers.attention import AttentionBackend
+from kvflow.layers.attention import AttentionBackend, AttentionMetadata
 from kvflow.loader import load_model, load_model_config, resolve_model_path
 from kvflow.quantization.config import QuantizationConfig
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -68,8 +79,10 @@ class Proposal:
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: list[int],
-                 max_catch_up_tokens: int = 2048) -> None:
+                 max_catch_up_tokens: int = 2048, shares_target_kv: bool = False) -> None:
         self.model, self.runner, self.kv = model, runner, kv
+        # True: `kv` and the runner's caches are the target's own (a self-draft; see the module docstring).
+        self.shares_target_kv = shares_target_kv
         self.eos_token_ids = eos_token_ids
         # Tokens the draft may catch up on per step (the target's token budget): a long prompt
         # is caught up over several steps, without guesses until it is done.
@@ -79,10 +92,14 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, seqs: list["Sequence"], num_tokens: list[int]) -> list[Proposal]:
         """Up to num_tokens[i] guesses for seqs[i]; fewer (or none) when the draft's pool is full."""
+        if self.shares_target_kv:
+            return self._propose_shared(seqs, num_tokens)
         views, ks, rows, chunks = [], [], [], []
         budget = self.max_catch_up_tokens
         for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
-            view = self._catch_up(seq) if k > 0 and budget > 0 else None
+            if k < 1 or budget < 1:
+                continue
+            view = self._catch_up(seq)
             if view is None:
                 continue
             chunk = min(view.num_tokens - view.num_computed_tokens, budget)
@@ -118,18 +135,81 @@ class DraftModelProposer:
                     views[a].token_ids.append(tokens[j])
                     still.append(a)
             active = still
-        out = [Proposal([], None) for _ in seqs]
-        for a, i in enumerate(rows):
-            out[i] = Proposal(drafts[a], torch.stack(probs[a]) if probs[a] else None)
-        return out
+        return _proposals(len(seqs), rows, drafts, probs)
 
-    def _catch_up(self, seq: "Sequence") -> DraftSequence | None:
-        """Roll the draft back to what it saw that still stands, and give it slots for the rest."""
+    def _propose_shared(self, seqs: list["Sequence"], num_tokens: list[int]) -> list[Proposal]:
+        """A self-draft's proposal: every row is one token (the sequence's last, then each guess)
+        over the target's cache, so each of the k forwards gets its inputs built directly
+        (`_decode_inputs`) instead of through the runner's general chunk layout: at batch 1 the
+        Python around a ~5 ms int4 forward is a tenth of a speculative step."""
+        views, ks, rows = [], [], []
+        for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
+            view = self._shared_view(seq) if k > 0 else None
+            if view is not None:
+                views.append(view)
+                ks.append(k)
+                rows.append(i)
+        drafts: list[list[int]] = [[] for _ in views]
+        probs: list[list[torch.Tensor]] = [[] for _ in views]
+        active = list(range(len(views)))
+        while active:
+            input_ids, positions, meta = self._decode_inputs([views[a] for a in active])
+            hidden = self.model(input_ids, positions, self.runner.kv_caches, meta)
+            tokens, q = self._sample(self.model.compute_logits(hidden), [seqs[rows[a]] for a in active],
+                                     [drafts[a] for a in active], [views[a].generator for a in active])
+            still = []
+            for j, a in enumerate(active):
+                view = views[a]
+                view.num_computed_tokens += 1
+                drafts[a].append(tokens[j])
+                if q is not None and q[j] is not None:
+                    probs[a].append(q[j])
+                if len(drafts[a]) < ks[a] and self.kv.allocate_slots(view, 1):
+                    view.token_ids.append(tokens[j])
+                    still.append(a)
+            active = still
+        for i in rows:  # the blocks taken for guesses go back; the target's step allocates its own
+            self.kv.trim(seqs[i])
+        return _proposals(len(seqs), rows, drafts, probs)
+
+    def _decode_inputs(self, views: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """One new token per view, each a decode row: what `ModelRunner.prepare_inputs` builds
+        for such a batch (the same tensors), without its numpy layout for chunks."""
+        bs, n = self.kv.block_size, len(views)
+        positions = [v.num_computed_tokens for v in views]
+        tables = [self.kv.block_table(v.request_id) for v in views]
+        width = max(map(len, tables))
+        seq_lens = [p + 1 for p in positions]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=torch.int64),
+            query_start_loc=list(range(n + 1)), seq_lens=seq_lens,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64),
+            num_decodes=n, block_size=bs, query_start_tensor=torch.arange(n + 1, dtype=torch.int64),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64))
+        input_ids = torch.tensor([v.token_ids[p] for v, p in zip(views, positions)], dtype=torch.int64)
+        return input_ids, torch.tensor(positions, dtype=torch.int64), meta
+
+    def _view(self, seq: "Sequence") -> DraftSequence:
         view = self._seen.get(seq.request_id)
         if view is None:
             seed = seq.params.seed
             generator = torch.Generator().manual_seed(seed ^ DRAFT_SEED_SALT) if seed is not None else None
             view = self._seen[seq.request_id] = DraftSequence(seq.request_id, generator=generator)
+        return view
+
+    def _shared_view(self, seq: "Sequence") -> DraftSequence | None:
+        """A self-draft starts where the target's K/V ends (all tokens but the last) and needs
+        slots in the target's pool for the last token and the guesses it feeds."""
+        view = self._view(seq)
+        view.token_ids = list(seq.all_token_ids)  # guesses are appended to this copy
+        view.num_computed_tokens = seq.num_computed_tokens
+        if not self.kv.allocate_slots(view, view.num_tokens - view.num_computed_tokens):
+            return None  # no room: this sequence decodes without guesses this step
+        return view
+
+    def _catch_up(self, seq: "Sequence") -> DraftSequence | None:
+        """Roll the draft back to what it saw that still stands, and give it slots for the rest."""
+        view = self._view(seq)
         tokens = seq.all_token_ids
         keep = min(view.num_computed_tokens, len(tokens) - 1)  # the last token is always fed again
         start = max(0, keep - len(seq.output_token_ids) - 1)  # before that, tokens never change
@@ -146,6 +226,9 @@ class DraftModelProposer:
     def _sample(self, logits: torch.Tensor, seqs: list["Sequence"], drafts: list[list[int]],
                 generators: list[torch.Generator | None]):
         """Each row's guess, and for sampled requests the distribution it was drawn from."""
+        if all(s.params.is_greedy and not s.params.has_penalties and s.params.min_tokens <= len(s.output_token_ids)
+               + len(d) for s, d in zip(seqs, drafts)):
+            return greedy(logits).tolist(), None  # what the metadata below comes to for such rows
         meta = SamplingMetadata.build(
             params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_token_ids + d if s.params.has_penalties or s.params.min_tokens > len(
@@ -164,8 +247,16 @@ class DraftModelProposer:
 
     def forget(self, request_id: str) -> None:
         view = self._seen.pop(request_id, None)
-        if view is not None:
+        if view is not None and not self.shares_target_kv:  # shared blocks are the target sequence's
             self.kv.free(view)
+
+
+def _proposals(num_seqs: int, rows: list[int], drafts: list[list[int]],
+               probs: list[list[torch.Tensor]]) -> list[Proposal]:
+    out = [Proposal([], None) for _ in range(num_seqs)]
+    for a, i in enumerate(rows):
+        out[i] = Proposal(drafts[a], torch.stack(probs[a]) if probs[a] else None)
+    return out
 
 
 def draft_model_config(config: "SpeculativeConfig", target: ModelConfig, max_model_len: int) -> tuple[str, ModelConfig]:
@@ -186,18 +277,33 @@ def draft_model_config(config: "SpeculativeConfig", target: ModelConfig, max_mod
     return path, cfg
 
 
+def shares_target_kv(target_path: str, target: ModelConfig, draft_path: str, draft: ModelConfig,
+                     device: str = "cpu") -> bool:
+    """Whether the draft is the target's own checkpoint (a self-draft, under another
+    quantization), which then reads and writes the target's KV cache instead of its own: the
+    same layers, heads and positions, so the target's K/V is what the draft's own would be up
+    to the quantization. On the CPU, where both models run in one process on one pool."""
+    return device == "cpu" and os.path.realpath(target_path) == os.path.realpath(draft_path) and target == draft
+
+
 def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: torch.dtype,
                         attn_backend: AttentionBackend, eos_token_ids: list[int], seed: int = 0,
                         target_vocab: dict[str, int] | None = None, draft_vocab: dict[str, int] | None = None,
-                        max_catch_up_tokens: int = 2048, quantization: QuantizationConfig | None = None
-                        ) -> DraftModelProposer:
+                        max_catch_up_tokens: int = 2048, quantization: QuantizationConfig | None = None,
+                        target_runner: ModelRunner | None = None) -> DraftModelProposer:
     """Load the draft's weights (quantized as `quantization` says) and give it a KV pool as
-    large (in tokens) as the target's."""
+    large (in tokens) as the target's, or, with `target_runner` (a self-draft, see
+    `shares_target_kv`), the target's own pool and caches."""
     if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
         differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
         raise ValueError(f"speculative_config.model: the draft's tokenizer maps tokens differently from the "
                          f"target's (e.g. {differ}); a draft must share the target's tokenizer")
     model = load_model(path, cfg, dtype, attn_backend, "auto", seed, quantization)
+    if target_runner is not None:
+        runner = ModelRunner(model, attn_backend, cfg, target_runner.kv, dtype, eos_token_ids,
+                             kv_caches=target_runner.kv_caches)
+        return DraftModelProposer(model, runner, target_runner.kv, eos_token_ids, max_catch_up_tokens,
+                                  shares_target_kv=True)
     kv = KVCacheManager(plan.num_blocks, plan.block_size, enable_prefix_caching=False)
     runner = ModelRunner(model, attn_backend, cfg, kv, dtype, eos_token_ids)
     return DraftModelProposer(model, runner, kv, eos_token_ids, max_catch_up_tokens)

@@ -89,7 +89,7 @@ class RejectionSampler:
                 tokens = _verify_random(filtered[rows], probs[rows] if q is not None else None, drafts, q,
                                         generators[i])
             else:
-                tokens = _verify_greedy(targets[offset : offset + k + 1], drafts)
+                tokens = verify_greedy(targets[offset : offset + k + 1], drafts)
             results.append(VerifiedTokens(tokens, None, k, len(tokens) - 1))
             if meta.num_logprobs[offset] is not None:
                 emitted_rows.extend(range(offset, offset + len(tokens)))
@@ -110,7 +110,7 @@ class RejectionSampler:
         return results
 
 
-def _verify_greedy(targets: list[int], drafts: list[int]) -> list[int]:
+def verify_greedy(targets: list[int], drafts: list[int]) -> list[int]:
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1

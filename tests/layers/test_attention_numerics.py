@@ -149,3 +149,56 @@ def test_backend_gives_a_row_the_same_bits_in_any_step(kernels, dtype):
     reference = step(seq_len, 0)
     for n_new, others in [(1, 0), (1, 5), (2, 0), (17, 3), (seq_len, 8)]:
         assert torch.equal(step(n_new, others), reference), f"chunk of {n_new} beside {others} decodes differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_short_chunks_take_the_decode_kernel_with_the_same_bits(impl, dtype):
+    """csrc/short_chunks.cpp sends chunks of <= 8 tokens (a speculative verify, a draft's
+    catch-up) through the decode kernel, one row per token: in a batch that mixes them with
+    long chunks, every row must equal the packed prefill kernel's row (routing forced off)."""
+    kernels = impl
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    chunks = [4, 40, 1, 8, 9, 2, 33]  # short, long, short, the threshold, just above, ...
+    contexts = [83, 0, 17, 64, 5, 120, 30]
+    g = torch.Generator().manual_seed(5)
+    pools, tables = [], []
+    total_blocks = 0
+    for n, c in zip(chunks, contexts):
+        blocks = -(-(n + c) // block_size)
+        tables.append(list(range(total_blocks, total_blocks + blocks)))
+        total_blocks += blocks
+    key_cache = torch.full((total_blocks + 1, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    value_cache = key_cache.clone()
+    for n, c, table in zip(chunks, contexts, tables):
+        pos = torch.arange(n + c)
+        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        kernels.write_kv(torch.randn(n + c, kv_heads, head_dim, generator=g).to(dtype),
+                         torch.randn(n + c, kv_heads, head_dim, generator=g).to(dtype), key_cache, value_cache, slots)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    query_start = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int64)
+    seq_lens = torch.tensor([n + c for n, c in zip(chunks, contexts)], dtype=torch.int64)
+    q = torch.randn(sum(chunks), heads, head_dim, generator=g).to(dtype)
+
+    def run(short_chunk: int) -> torch.Tensor:
+        previous = kernels.lib.kvflow_prefill_short_chunk(short_chunk)
+        try:
+            out = torch.full_like(q, float("nan"))
+            kernels.paged_prefill_attention(q, key_cache, value_cache, block_tables, query_start, seq_lens, out,
+                                            head_dim**-0.5)
+            return out
+        finally:
+            kernels.lib.kvflow_prefill_short_chunk(previous)
+
+    packed, routed = run(0), run(8)
+    assert not torch.isnan(packed).any() and not torch.isnan(routed).any()
+    bad = [t for t in range(q.shape[0]) if not torch.equal(packed[t], routed[t])]
+    assert not bad, f"rows {bad[:10]} differ between the decode route and the packed prefill kernel"
+    # Every row of a routed chunk must match the row computed as a lone decode too.
+    for s in (0, 2, 5):
+        lens = seq_lens[s] - chunks[s] + torch.arange(1, chunks[s] + 1)
+        rows = q[query_start[s]:query_start[s + 1]].contiguous()
+        alone = kernels.paged_decode_attention(rows, key_cache, value_cache,
+                                               block_tables[s:s + 1].expand(chunks[s], -1).contiguous(), lens,
+                                               head_dim**-0.5)
+        assert torch.equal(alone, routed[query_start[s]:query_start[s + 1]])

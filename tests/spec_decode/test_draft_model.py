@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -72,9 +74,11 @@ def test_the_target_as_its_own_draft_is_always_right(target):
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
 
-def test_seeded_sampling_repeats(target, draft):
+@pytest.mark.parametrize("self_draft", [False, True], ids=["draft", "int4-self-draft"])
+def test_seeded_sampling_repeats(target, draft, self_draft):
     params = SamplingParams(temperature=0.7, seed=9, max_tokens=20)
-    llm = LLM(target, dtype="float32", speculative_config=_spec(draft))
+    spec = {**_spec(target), "quantization": "int4"} if self_draft else _spec(draft)
+    llm = LLM(target, dtype="float32", speculative_config=spec)
     first = _run(llm, params)
     assert _run(llm, params) == first
     assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0
@@ -138,3 +142,62 @@ def test_draft_quantization_refused_by_name():
     with pytest.raises(ValueError, match="speculative_config.quantization: 'int5' is not supported"):
         LLM(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
                                 "quantization": "int5"})
+
+
+def test_a_self_draft_runs_on_the_targets_cache(target, draft, capsys):
+    """The target's own checkpoint as the draft reads and writes the target's pool (no cache, no
+    prefill of its own), so the target keeps the whole KV budget; another draft keeps its own."""
+    import json
+
+    spec = {**_spec(target), "quantization": "int4"}
+    llm = LLM(target, dtype="float32", kv_cache_memory=1 << 20, speculative_config=spec)
+    proposer = llm.engine.speculator.draft
+    assert proposer.shares_target_kv and proposer.kv is llm.engine.kv_cache_manager
+    assert proposer.runner.kv_caches is llm.engine.runner.kv_caches
+    alone = LLM(target, dtype="float32", kv_cache_memory=1 << 20).engine.plan
+    assert llm.engine.plan.num_blocks == alone.num_blocks
+    other = LLM(target, dtype="float32", kv_cache_memory=1 << 20, speculative_config=_spec(draft))
+    assert not other.engine.speculator.draft.shares_target_kv
+    assert other.engine.plan.num_blocks < alone.num_blocks
+    assert main(["plan", "--model", target, "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                 "--speculative-config", json.dumps(spec)]) == 0
+    assert re.search(r"draft KV cache +the target's", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("layout", [{"max_num_batched_tokens": 9, "block_size": 4},
+                                    {"block_size": 1, "kv_cache_memory": 200 * 512, "max_model_len": 192},
+                                    {"kv_cache_dtype": "int8"}],
+                         ids=["chunked", "tight-pool", "int8-kv"])
+def test_a_self_draft_keeps_the_pool_whole_after_every_step(target, layout):
+    """Stepping by hand: after every step each running sequence holds exactly the blocks of its
+    computed tokens (the draft's guess blocks went back), the pool's counts agree, and greedy
+    output equals plain decoding, with chunked prefill, prefix caching and preemption mixed in."""
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.config import EngineConfig
+
+    prompts = _prompts()
+    prompts[3] = prompts[1][:40] + prompts[3]  # a shared prefix for the prefix cache
+
+    def generate(spec) -> tuple[dict, int]:
+        engine = LLMEngine(EngineConfig(model=target, dtype="float32", speculative_config=spec, **layout))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            engine.check_integrity()
+            kv = engine.kv_cache_manager
+            for seq in engine.scheduler.running:
+                assert len(kv.block_table(seq.request_id)) == kv.blocks_needed(seq.num_computed_tokens)
+        assert kv.num_free_blocks == kv.num_blocks
+        if spec is not None:
+            assert engine.get_stats().spec_decode.num_accepted_tokens > 0
+        return done, engine.scheduler.num_preemptions
+
+    plain, _ = generate(None)
+    spec, preemptions = generate({**_spec(target), "quantization": "int4"})
+    assert spec == plain
+    if "kv_cache_memory" in layout:
+        assert preemptions > 0, "the tight pool was meant to preempt"

@@ -125,16 +125,9 @@ class DraftModelProposer:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             tokens, q = self._sample(logits, [seqs[rows[a]] for a in active], [drafts[a] for a in active],
                                      [views[a].generator for a in active])
-            still = []
-            for j, a in enumerate(active):
+            for a in active:
                 chunks[a] = 1
-                drafts[a].append(tokens[j])
-                if q is not None and q[j] is not None:
-                    probs[a].append(q[j])
-                if len(drafts[a]) < ks[a] and self.kv.allocate_slots(views[a], 1):
-                    views[a].token_ids.append(tokens[j])
-                    still.append(a)
-            active = still
+            active = self._record_guesses(active, tokens, q, views, ks, drafts, probs)
         return _proposals(len(seqs), rows, drafts, probs)
 
     def _propose_shared(self, seqs: list["Sequence"], num_tokens: list[int]) -> list[Proposal]:
@@ -157,20 +150,26 @@ class DraftModelProposer:
             hidden = self.model(input_ids, positions, self.runner.kv_caches, meta)
             tokens, q = self._sample(self.model.compute_logits(hidden), [seqs[rows[a]] for a in active],
                                      [drafts[a] for a in active], [views[a].generator for a in active])
-            still = []
-            for j, a in enumerate(active):
-                view = views[a]
-                view.num_computed_tokens += 1
-                drafts[a].append(tokens[j])
-                if q is not None and q[j] is not None:
-                    probs[a].append(q[j])
-                if len(drafts[a]) < ks[a] and self.kv.allocate_slots(view, 1):
-                    view.token_ids.append(tokens[j])
-                    still.append(a)
-            active = still
+            for a in active:
+                views[a].num_computed_tokens += 1
+            active = self._record_guesses(active, tokens, q, views, ks, drafts, probs)
         for i in rows:  # the blocks taken for guesses go back; the target's step allocates its own
             self.kv.trim(seqs[i])
         return _proposals(len(seqs), rows, drafts, probs)
+
+    def _record_guesses(self, active: list[int], tokens: list[int], q, views: list[DraftSequence], ks: list[int],
+                        drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> list[int]:
+        """Append each active view's new guess (and the distribution it was drawn from); the
+        views that still want guesses and got a slot for feeding this one back."""
+        still = []
+        for j, a in enumerate(active):
+            drafts[a].append(tokens[j])
+            if q is not None and q[j] is not None:
+                probs[a].append(q[j])
+            if len(drafts[a]) < ks[a] and self.kv.allocate_slots(views[a], 1):
+                views[a].token_ids.append(tokens[j])
+                still.append(a)
+        return still
 
     def _decode_inputs(self, views: list[DraftSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """One new token per view, each a decode row: what `ModelRunner.prepare_inputs` builds

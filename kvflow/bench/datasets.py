@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The published workloads' token ids (../shared/workloads/README.md): W-offline, W-latency, W-prefix.
+WORKLOAD_TOKEN_RANGE = (1000, 40000)
+
 
 @dataclass
 class BenchRequest:
@@ -19,7 +22,7 @@ def random_requests(
     input_len: tuple[int, int] = (32, 512),
     output_len: tuple[int, int] = (32, 256),
     seed: int = 0,
-    token_range: tuple[int, int] = (1000, 40000),
+    token_range: tuple[int, int] = WORKLOAD_TOKEN_RANGE,
 ) -> list[BenchRequest]:
     """Lengths drawn first, then each prompt in order, as W-offline specifies (bounds inclusive)."""
     rng = np.random.default_rng(seed)
@@ -33,7 +36,7 @@ def random_requests(
 
 def prefix_requests(
     num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 64, output_len: int = 32,
-    seed: int = 2, token_range: tuple[int, int] = (1000, 40000),
+    seed: int = 2, token_range: tuple[int, int] = WORKLOAD_TOKEN_RANGE,
 ) -> list[BenchRequest]:
     """N requests sharing one system prompt (W-prefix: prefix from default_rng(2), suffixes from seed+1)."""
     prefix = np.random.default_rng(seed).integers(token_range[0], token_range[1], size=prefix_len).tolist()
@@ -62,6 +65,16 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int = 128) -> list[
                 raise ValueError(f"{path}:{line_no}: needs 'prompt' or 'prompt_token_ids'")
             requests.append(BenchRequest(ids, int(row.get("output_len", default_output_len))))
     return requests
+
+
+def random_like(requests: list[BenchRequest], seed: int, token_range: tuple[int, int]) -> list[BenchRequest]:
+    """Random ids of the same prompt and output lengths as `requests`.
+
+    The warm-up for a request set with no second draw (a JSONL file): warming up on the timed
+    prompts themselves would leave them in the prefix cache, which then serves the timed run."""
+    rng = np.random.default_rng(seed)
+    return [BenchRequest(rng.integers(token_range[0], token_range[1], size=len(r.prompt_token_ids)).tolist(),
+                         r.output_len) for r in requests]
 
 
 def grounded_requests(tokenizer, num_prompts: int = 16, seed: int = 0, output_len: int = 128,

@@ -18,11 +18,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvflow.bench.datasets import fit_token_range, grounded_requests
+from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range, grounded_requests
 from kvflow.bench.metrics import Percentiles, percentiles, request_latency
 from kvflow.bench.results import numerics_label
-
-WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
 
 @dataclass

@@ -11,8 +11,8 @@ import argparse
 import dataclasses
 import json
 
-from kvflow.bench.datasets import fit_token_range, prefix_requests
-from kvflow.bench.throughput import WORKLOAD_TOKEN_RANGE, ThroughputResult, run_kvflow
+from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range, prefix_requests
+from kvflow.bench.throughput import ThroughputResult, run_kvflow
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

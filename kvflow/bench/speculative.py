@@ -26,10 +26,9 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 
-from kvflow.bench.datasets import BenchRequest, fit_token_range, grounded_requests, jsonl_requests, random_requests
+from kvflow.bench.datasets import (WORKLOAD_TOKEN_RANGE, BenchRequest, fit_token_range, grounded_requests, jsonl_requests,
+                                   random_like, random_requests)
 from kvflow.bench.grounded import workload_fingerprint
-
-WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
 
 @dataclass
@@ -120,6 +119,16 @@ def build_requests(args: argparse.Namespace, tokenizer, vocab_size: int, seed: i
     return jsonl_requests(args.dataset_path, tokenizer, args.output_len or 128)[:count]
 
 
+def warmup_requests(args: argparse.Namespace, tokenizer, vocab_size: int, timed: list[BenchRequest]
+                    ) -> list[BenchRequest]:
+    """`--num-warmup` requests that share no prompt with the timed set, whose prefixes the warm-up
+    would otherwise leave cached for the timed run to hit. A JSONL file has no second draw: its
+    warm-up is random ids shaped like its first requests."""
+    if args.dataset == "jsonl":
+        return random_like(timed[: args.num_warmup], args.warmup_seed, fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size))
+    return build_requests(args, tokenizer, vocab_size, args.warmup_seed, args.num_warmup, exclude=timed)
+
+
 def _params(args: argparse.Namespace, req: BenchRequest, index: int):
     from kvflow.sampling.params import SamplingParams
 
@@ -155,7 +164,7 @@ def run(config, args: argparse.Namespace) -> SpecBenchResult:
     vocab = spec.model_config.vocab_size
     requests = build_requests(args, spec.tokenizer, vocab, args.dataset_seed, args.num_prompts)
     if args.num_warmup > 0:
-        warmup = build_requests(args, spec.tokenizer, vocab, args.warmup_seed, args.num_warmup, exclude=requests)
+        warmup = warmup_requests(args, spec.tokenizer, vocab, requests)
         for engine, tag in ((plain, "warm-plain"), (spec, "warm-spec")):
             _run(engine, warmup, args, tag)
     stats0 = copy.deepcopy(spec.get_stats().spec_decode)

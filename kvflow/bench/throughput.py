@@ -19,14 +19,11 @@ import platform
 import time
 from dataclasses import asdict
 
-import numpy as np
-
-from kvflow.bench.datasets import (BenchRequest, fit_token_range, grounded_requests, jsonl_requests, prefix_requests,
-                                   random_requests)
+from kvflow.bench.datasets import (WORKLOAD_TOKEN_RANGE, BenchRequest, fit_token_range, grounded_requests, jsonl_requests,
+                                   prefix_requests, random_like, random_requests)
 from kvflow.bench.hf_baseline import run_baseline
 from kvflow.bench.results import ThroughputResult, current_rss_mb, numerics_label, peak_rss_mb
 
-WORKLOAD_TOKEN_RANGE = (1000, 40000)
 
 
 # `--structured-output json`: every request carries this schema. A list of at least 256 strings
@@ -113,9 +110,8 @@ def warmup_requests(args: argparse.Namespace, timed: list[BenchRequest], tokeniz
         return grounded_requests(tokenizer, args.num_prompts, args.warmup_seed, args.output_len_max, exclude=timed)
     if args.dataset != "jsonl":
         return build_requests(args, args.warmup_seed, tokenizer, vocab_size)
-    low, high = WORKLOAD_TOKEN_RANGE if vocab_size is None else fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
-    rng = np.random.default_rng(args.warmup_seed)
-    return [BenchRequest(rng.integers(low, high, size=len(r.prompt_token_ids)).tolist(), r.output_len) for r in timed]
+    token_range = WORKLOAD_TOKEN_RANGE if vocab_size is None else fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
+    return random_like(timed, args.warmup_seed, token_range)
 
 
 def ratios(ours: ThroughputResult, base: ThroughputResult) -> dict[str, float]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
+from kvflow.bench.speculative import build_requests, warmup_requests
 from kvflow.entrypoints.cli import main
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "1024", "--num-threads", "1"]
@@ -38,3 +40,16 @@ def test_bad_speculative_config_on_the_command_line(tiny_models, capsys):
     path, _ = tiny_models("llama")
     assert main(["bench", "speculative", "--model", path, *ENGINE, "--speculative-config", '{"method": "eagle"}']) == 2
     assert "speculative_config.method" in capsys.readouterr().err
+
+
+def test_jsonl_warmup_shares_no_prompt_with_the_timed_set(tmp_path):
+    # A JSONL file has one draw: warming up on its first rows would leave the timed prompts in
+    # the prefix cache, and the timed run would skip their prefill.
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5, 6, 7, 8], "output_len": 4}) + "\n"
+                    + json.dumps({"prompt_token_ids": [9, 10, 11]}) + "\n")
+    args = argparse.Namespace(dataset="jsonl", dataset_path=str(path), output_len=None, num_warmup=2, warmup_seed=100)
+    timed = build_requests(args, None, 32000, seed=0, count=2)
+    warmup = warmup_requests(args, None, 32000, timed)
+    assert [(len(r.prompt_token_ids), r.output_len) for r in warmup] == [(4, 4), (3, 128)]
+    assert not {tuple(r.prompt_token_ids) for r in warmup} & {tuple(r.prompt_token_ids) for r in timed}

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -44,6 +45,81 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
     }
     for (int m = 0; m < MT; ++m)
         for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
+}
+
+#if !defined(KVFLOW_SIMDE)
+// The same product with float32 FMAs, for CPUs whose vdpbf16ps issues at a quarter of their FMA
+// rate (an Intel Xeon in a VM, CPU family 6 model 207: ~1.4 G vdpbf16ps/s per core against
+// ~4.9 G FMA/s; in cache, 4-12 rows x 2 tiles, this block does 1.4-1.6x the MACs/s). The same
+// bits: vdpbf16ps is, per lane, an FMA of the odd pair's product into the accumulator and then one of
+// the even pair's, denormal inputs and results flushed (isa.h spells it out); bf16 -> float32 is
+// exact, so this block runs exactly those FMAs, under DAZ and FTZ. x's rows are widened to
+// float32 once per block so that each k costs a broadcast load, not an ALU operation.
+template <int MT, int NT, typename Store>
+inline void fma_bf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
+                           int64_t pairs, Store& store, const uint16_t* next = nullptr) {
+    thread_local float* buffer = nullptr;
+    thread_local int64_t buffer_size = 0;
+    if (buffer_size < MT * 2 * pairs) {
+        std::free(buffer);
+        buffer_size = MT * 2 * pairs;
+        buffer = static_cast<float*>(std::aligned_alloc(64, ((buffer_size * 4 + 63) / 64) * 64));
+    }
+    float* const wide = buffer;  // one thread-local lookup, not one per k
+    for (int m = 0; m < MT; ++m)
+        for (int64_t i = 0; i < 2 * pairs; i += 16) {
+            const __mmask16 mask = tail_mask(2 * pairs - i);
+            const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + m * x_stride + i));
+            _mm512_mask_storeu_ps(wide + m * 2 * pairs + i, mask, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        }
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // FTZ (bit 15) and DAZ (bit 6), as vdpbf16ps always has them
+    __m512 acc[MT][NT];
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512 even[NT], odd[NT];
+        for (int j = 0; j < NT; ++j) {
+            const uint16_t* src = tile0 + j * tile_stride + p * 32;
+            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
+            if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
+            const __m512i w = _mm512_loadu_si512(src);  // lane l: (k odd) << 16 | (k even)
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+        }
+        for (int m = 0; m < MT; ++m) {
+            const __m512 xo = _mm512_set1_ps(wide[m * 2 * pairs + 2 * p + 1]);
+            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(xo, odd[j], acc[m][j]);
+            const __m512 xe = _mm512_set1_ps(wide[m * 2 * pairs + 2 * p]);
+            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(xe, even[j], acc[m][j]);
+        }
+    }
+    _mm_setcsr(csr);
+    for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
+}
+#endif
+
+// Whether blocks of kMinFmaRows rows or more run the FMA block (both give the same bits): set
+// once by kvflow_set_bf16_dot (layers/cpu_kernels.py picks the faster on this CPU at load).
+// Fewer rows stay on vdpbf16ps: there the weight stream, not the arithmetic, sets the pace, and
+// the FMA block's two extra operations per weight load measured 15 % slower at 1-2 rows.
+constexpr int kMinFmaRows = 4;
+
+inline bool& bf16_dot_with_fma() {
+    static bool with_fma = false;
+    return with_fma;
+}
+
+template <int MT, int NT, typename Store>
+inline void bf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
+                       int64_t pairs, Store& store, const uint16_t* next = nullptr) {
+#if !defined(KVFLOW_SIMDE)
+    if (MT >= kMinFmaRows && bf16_dot_with_fma())
+        return fma_bf16_block<MT, NT>(x, x_stride, tile0, tile_stride, pairs, store, next);
+#endif
+    dpbf16_block<MT, NT>(x, x_stride, tile0, tile_stride, pairs, store, next);
 }
 
 }  // namespace kvflow

@@ -10,8 +10,11 @@
 // Columns past N are zero. Every output element is summed in the same order whatever M is,
 // so results do not depend on how many rows share the step.
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include <omp.h>
@@ -108,6 +111,55 @@ int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
     return gemm<kvflow::F32>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
+    return -2;
+#endif
+}
+
+// Which block runs the bf16 products (dpbf16.h): 0 vdpbf16ps, 1 float32 FMAs; the same bits
+// either way. Returns the setting now in force (0 where the FMA block is not compiled).
+int kvflow_set_bf16_dot(int with_fma) {
+#if defined(KVFLOW_AVX512BF16) && !defined(KVFLOW_SIMDE)
+    kvflow::bf16_dot_with_fma() = with_fma != 0;
+    return kvflow::bf16_dot_with_fma() ? 1 : 0;
+#else
+    (void)with_fma;
+    return 0;
+#endif
+}
+
+// Seconds one thread takes for a prefill-sized register block (12 rows x 2 tiles x K = 576,
+// the weights in L1/L2) with each block, best of `trials`: out[0] vdpbf16ps, out[1] FMAs.
+// The compute rate is what differs between CPUs; memory-bound calls take the same time either way.
+int kvflow_time_bf16_dot(int trials, double* out) {
+#if defined(KVFLOW_AVX512BF16) && !defined(KVFLOW_SIMDE)
+    constexpr int64_t k = 576, rows = kvflow::kMaxBlockRows, reps = 200;
+    const int64_t tile_stride = k * kTileCols;
+    std::unique_ptr<uint16_t[]> x(new uint16_t[rows * k]), w(new uint16_t[kNT * tile_stride]);
+    for (int64_t i = 0; i < rows * k; ++i) x[i] = kvflow::float_to_bf16(0.001f * static_cast<float>(i % 97));
+    for (int64_t i = 0; i < kNT * tile_stride; ++i) w[i] = kvflow::float_to_bf16(0.01f * static_cast<float>(i % 89) - 0.4f);
+    alignas(64) float sink[rows][kNT][16];
+    auto store = [&](int m, int j, __m512 acc) { _mm512_store_ps(sink[m][j], acc); };
+    for (int with_fma = 0; with_fma < 2; ++with_fma) {
+        double best = 1e30;
+        for (int t = 0; t < trials; ++t) {
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int64_t r = 0; r < reps; ++r) {
+                // Every repetition really runs: x, w and sink may have changed.
+                __asm__ volatile("" : : "r"(x.get()), "r"(w.get()), "r"(&sink[0][0][0]) : "memory");
+                if (with_fma)
+                    kvflow::fma_bf16_block<rows, kNT>(x.get(), k, w.get(), tile_stride, k / 2, store);
+                else
+                    kvflow::dpbf16_block<rows, kNT>(x.get(), k, w.get(), tile_stride, k / 2, store);
+            }
+            best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+        out[with_fma] = best;
+    }
+    volatile float keep = sink[rows - 1][kNT - 1][15];
+    (void)keep;
+    return 0;
+#else
+    (void)trials; (void)out;
     return -2;
 #endif
 }

@@ -27,7 +27,7 @@ struct Micro<BF16> {
     static void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
                      int64_t steps, Store& store, const uint16_t* next = nullptr) {
         with_block_rows(rows, [&](auto mt) {
-            dpbf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store, next);
+            bf16_block<decltype(mt)::value, NT>(x, x_stride, tile0, tile_stride, steps, store, next);
         });
     }
     static inline __m512 load(const uint16_t* p, __mmask16 mask) {

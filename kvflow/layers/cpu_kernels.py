@@ -144,6 +144,25 @@ class CPUKernels:
         for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary,
                    self.lib.kvflow_paged_prefill_attention):
             fn.restype = ctypes.c_int
+        self.lib.kvflow_set_bf16_dot.argtypes = [ctypes.c_int]
+        self.lib.kvflow_time_bf16_dot.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+        self.bf16_dot = self.set_bf16_dot(os.environ.get("KVFLOW_BF16_DOT", "auto"))
+
+    def set_bf16_dot(self, choice: str) -> str:
+        """What multiplies bf16 in the GEMM and prefill-attention blocks of 4+ rows: "dpbf16"
+        (vdpbf16ps) or "fma" (two float32 FMAs per k-pair), the same bits either way (csrc/dpbf16.h).
+        "auto" times both once and keeps FMAs only where clearly faster: vdpbf16ps issues at a
+        quarter of the FMA rate on some Intel Xeons, at full rate on AMD's. Returns the one in force."""
+        if choice not in ("auto", "dpbf16", "fma"):
+            raise ValueError(f"KVFLOW_BF16_DOT: expected auto, dpbf16 or fma, got {choice!r}")
+        if choice == "auto":
+            seconds = (ctypes.c_double * 2)()
+            timed = self.lib.kvflow_time_bf16_dot(3, seconds) == 0
+            choice = "fma" if timed and seconds[1] * 1.15 < seconds[0] else "dpbf16"
+            if timed:
+                logger.debug("bf16 products: %s (a 12-row block: vdpbf16ps %.0f us, FMAs %.0f us)", choice,
+                             seconds[0] * 1e6, seconds[1] * 1e6)
+        return "fma" if self.lib.kvflow_set_bf16_dot(int(choice == "fma")) else "dpbf16"
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in DTYPE_CODES

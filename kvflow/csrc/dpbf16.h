@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "common.h"
 
@@ -48,6 +49,10 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
 }
 
 #if !defined(KVFLOW_SIMDE)
+struct FreeDeleter {
+    void operator()(float* p) const { std::free(p); }
+};
+
 // The same product with float32 FMAs, for CPUs whose vdpbf16ps issues at a quarter of their FMA
 // rate (an Intel Xeon in a VM, CPU family 6 model 207: ~1.4 G vdpbf16ps/s per core against
 // ~4.9 G FMA/s; in cache, 4-12 rows x 2 tiles, this block does 1.4-1.6x the MACs/s). The same
@@ -58,14 +63,16 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
 template <int MT, int NT, typename Store>
 inline void fma_bf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
                            int64_t pairs, Store& store, const uint16_t* next = nullptr) {
-    thread_local float* buffer = nullptr;
+    // x's rows in float32, per thread (freed when the thread ends).
+    thread_local std::unique_ptr<float, FreeDeleter> buffer;
     thread_local int64_t buffer_size = 0;
     if (buffer_size < MT * 2 * pairs) {
-        std::free(buffer);
-        buffer_size = MT * 2 * pairs;
-        buffer = static_cast<float*>(std::aligned_alloc(64, ((buffer_size * 4 + 63) / 64) * 64));
+        buffer.reset(static_cast<float*>(std::aligned_alloc(64, ((MT * 2 * pairs * 4 + 63) / 64) * 64)));
+        buffer_size = buffer ? MT * 2 * pairs : 0;
     }
-    float* const wide = buffer;  // one thread-local lookup, not one per k
+    float* const wide = buffer.get();  // one thread-local lookup, not one per k
+    if (wide == nullptr)  // out of memory: the instruction gives the same bits
+        return dpbf16_block<MT, NT>(x, x_stride, tile0, tile_stride, pairs, store, next);
     for (int m = 0; m < MT; ++m)
         for (int64_t i = 0; i < 2 * pairs; i += 16) {
             const __mmask16 mask = tail_mask(2 * pairs - i);

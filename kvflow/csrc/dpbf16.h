@@ -49,60 +49,82 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
 }
 
 #if !defined(KVFLOW_SIMDE)
+// vdpbf16ps done as float32 FMAs, for CPUs where it issues at a quarter of their FMA rate (an
+// Intel Xeon in a VM, CPU family 6 model 207: ~1.4 G vdpbf16ps/s per core against ~4.9 G
+// FMA/s; in cache, 4-12 rows x 2 tiles, the FMA block below does 1.4-1.6x the MACs/s). The same
+// bits: vdpbf16ps is, per lane, an FMA of the odd pair's product into the accumulator and then one
+// of the even pair's, denormal inputs and results flushed (isa.h spells it out); bf16 -> float32
+// is exact, so running exactly those FMAs under DAZ and FTZ gives its results.
+
 struct FreeDeleter {
     void operator()(float* p) const { std::free(p); }
 };
 
-// The same product with float32 FMAs, for CPUs whose vdpbf16ps issues at a quarter of their FMA
-// rate (an Intel Xeon in a VM, CPU family 6 model 207: ~1.4 G vdpbf16ps/s per core against
-// ~4.9 G FMA/s; in cache, 4-12 rows x 2 tiles, this block does 1.4-1.6x the MACs/s). The same
-// bits: vdpbf16ps is, per lane, an FMA of the odd pair's product into the accumulator and then one of
-// the even pair's, denormal inputs and results flushed (isa.h spells it out); bf16 -> float32 is
-// exact, so this block runs exactly those FMAs, under DAZ and FTZ. x's rows are widened to
-// float32 once per block so that each k costs a broadcast load, not an ALU operation.
+// Rows [0, rows) of x (bf16, k values each, `x_stride` apart) as float32 in a per-thread buffer
+// (freed when the thread ends), or null out of memory: each k then costs a broadcast load, not an
+// ALU operation.
+inline float* widen_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k) {
+    thread_local std::unique_ptr<float, FreeDeleter> buffer;
+    thread_local int64_t buffer_size = 0;
+    if (buffer_size < rows * k) {
+        buffer.reset(static_cast<float*>(std::aligned_alloc(64, ((rows * k * 4 + 63) / 64) * 64)));
+        buffer_size = buffer ? rows * k : 0;
+    }
+    float* const wide = buffer.get();  // one thread-local lookup
+    if (wide == nullptr) return nullptr;
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t i = 0; i < k; i += 16) {
+            const __mmask16 mask = tail_mask(k - i);
+            const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + m * x_stride + i));
+            _mm512_mask_storeu_ps(wide + m * k + i, mask, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        }
+    return wide;
+}
+
+// In its scope, FMAs read denormal inputs and write denormal results as zero, as vdpbf16ps does.
+struct FlushDenormals {
+    const unsigned saved = _mm_getcsr();
+    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15), DAZ (bit 6)
+    ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// One vdpbf16ps operand (16 lanes of a k-pair, each lane (odd k) << 16 | (even k)) as float32.
+inline __m512 even_k(__m512i pair) { return _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)); }
+inline __m512 odd_k(__m512i pair) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// acc = vdpbf16ps(acc, (x[k], x[k + 1]), (even, odd)) with `wide` x in float32.
+inline __m512 fma_pair(__m512 acc, const float* wide_k, __m512 even, __m512 odd) {
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(wide_k[1]), odd, acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps(wide_k[0]), even, acc);
+}
+
 template <int MT, int NT, typename Store>
 inline void fma_bf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
                            int64_t pairs, Store& store, const uint16_t* next = nullptr) {
-    // x's rows in float32, per thread (freed when the thread ends).
-    thread_local std::unique_ptr<float, FreeDeleter> buffer;
-    thread_local int64_t buffer_size = 0;
-    if (buffer_size < MT * 2 * pairs) {
-        buffer.reset(static_cast<float*>(std::aligned_alloc(64, ((MT * 2 * pairs * 4 + 63) / 64) * 64)));
-        buffer_size = buffer ? MT * 2 * pairs : 0;
-    }
-    float* const wide = buffer.get();  // one thread-local lookup, not one per k
+    const float* const wide = widen_rows(x, x_stride, MT, 2 * pairs);
     if (wide == nullptr)  // out of memory: the instruction gives the same bits
         return dpbf16_block<MT, NT>(x, x_stride, tile0, tile_stride, pairs, store, next);
-    for (int m = 0; m < MT; ++m)
-        for (int64_t i = 0; i < 2 * pairs; i += 16) {
-            const __mmask16 mask = tail_mask(2 * pairs - i);
-            const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + m * x_stride + i));
-            _mm512_mask_storeu_ps(wide + m * 2 * pairs + i, mask, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        }
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  // FTZ (bit 15) and DAZ (bit 6), as vdpbf16ps always has them
     __m512 acc[MT][NT];
     for (int m = 0; m < MT; ++m)
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int64_t p = 0; p < pairs; ++p) {
-        __m512 even[NT], odd[NT];
-        for (int j = 0; j < NT; ++j) {
-            const uint16_t* src = tile0 + j * tile_stride + p * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
-            if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
-            const __m512i w = _mm512_loadu_si512(src);  // lane l: (k odd) << 16 | (k even)
-            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
-        }
-        for (int m = 0; m < MT; ++m) {
-            const __m512 xo = _mm512_set1_ps(wide[m * 2 * pairs + 2 * p + 1]);
-            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(xo, odd[j], acc[m][j]);
-            const __m512 xe = _mm512_set1_ps(wide[m * 2 * pairs + 2 * p]);
-            for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_fmadd_ps(xe, even[j], acc[m][j]);
+    {
+        const FlushDenormals flush;
+        for (int64_t p = 0; p < pairs; ++p) {
+            __m512 even[NT], odd[NT];
+            for (int j = 0; j < NT; ++j) {
+                const uint16_t* src = tile0 + j * tile_stride + p * 32;
+                _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
+                if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
+                const __m512i w = _mm512_loadu_si512(src);
+                even[j] = even_k(w);
+                odd[j] = odd_k(w);
+            }
+            for (int m = 0; m < MT; ++m)
+                for (int j = 0; j < NT; ++j) acc[m][j] = fma_pair(acc[m][j], wide + m * 2 * pairs + 2 * p, even[j], odd[j]);
         }
     }
-    _mm_setcsr(csr);
     for (int m = 0; m < MT; ++m)
         for (int j = 0; j < NT; ++j) store(m, j, acc[m][j]);
 }

@@ -146,7 +146,8 @@ class CPUKernels:
             fn.restype = ctypes.c_int
         self.lib.kvflow_set_bf16_dot.argtypes = [ctypes.c_int]
         self.lib.kvflow_time_bf16_dot.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
-        self.bf16_dot = self.set_bf16_dot(os.environ.get("KVFLOW_BF16_DOT", "auto"))
+        self.bf16_dot = ""  # "dpbf16" or "fma": set just below
+        self.set_bf16_dot(os.environ.get("KVFLOW_BF16_DOT", "auto"))
 
     def set_bf16_dot(self, choice: str) -> str:
         """What multiplies bf16 in the GEMM and prefill-attention blocks of 4+ rows: "dpbf16"
@@ -162,7 +163,8 @@ class CPUKernels:
             if timed:
                 logger.debug("bf16 products: %s (a 12-row block: vdpbf16ps %.0f us, FMAs %.0f us)", choice,
                              seconds[0] * 1e6, seconds[1] * 1e6)
-        return "fma" if self.lib.kvflow_set_bf16_dot(int(choice == "fma")) else "dpbf16"
+        self.bf16_dot = "fma" if self.lib.kvflow_set_bf16_dot(int(choice == "fma")) else "dpbf16"
+        return self.bf16_dot
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in DTYPE_CODES

@@ -82,5 +82,6 @@ def test_prefill_attention_gives_the_same_bits_either_way(modes):
 
 def test_choice_is_checked(modes):
     assert modes.set_bf16_dot("auto") in ("dpbf16", "fma")
+    assert modes.set_bf16_dot("dpbf16") == modes.bf16_dot == "dpbf16"
     with pytest.raises(ValueError, match="KVFLOW_BF16_DOT"):
         modes.set_bf16_dot("amx")

@@ -1,9 +1,8 @@
 """kvflow's own CPU kernels (kvflow/csrc), compiled with the machine's compiler on first use.
 
-The kernels are plain C++ with OpenMP and no PyTorch headers, so a build takes about ten
-seconds, and they are called through ctypes with raw data pointers. The shared library is
-cached by a hash of its source, flags and compiler; `make` builds it at install time
-(`python -m kvflow.layers.cpu_kernels`). Without a compiler, or with KVFLOW_CPU_KERNELS=0,
+The kernels are plain C++ with OpenMP and no PyTorch headers, called through ctypes with raw
+data pointers; `cpu_build` compiles them (once per source, flags, compiler and CPU) and `make`
+does so at install time (`python -m kvflow.layers.cpu_kernels`). Without a compiler, or with KVFLOW_CPU_KERNELS=0,
 `load()` returns None and callers use their PyTorch path: slower, never different in meaning.
 """
 
@@ -11,96 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvflow.layers.cpu_build import build
+
 logger = logging.getLogger("kvflow")
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = sorted(_CSRC.glob("*.cpp"))
-_HEADERS = sorted(_CSRC.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype argument of the C entry points
-
-
-def _cache_dir() -> Path:
-    """Next to the sources when writable (an editable install), else the user's cache."""
-    local = Path(__file__).resolve().parent.parent / "_build"
-    try:
-        local.mkdir(exist_ok=True)
-        if os.access(local, os.W_OK):
-            return local
-    except OSError:
-        pass
-    user = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvflow"
-    user.mkdir(parents=True, exist_ok=True)
-    return user
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        import platform
-
-        return platform.processor().encode()
-
-
-def _simde_flags() -> list[str]:
-    """Compiler flags that build the AVX-512 paths on any x86-64 CPU through SIMDe (csrc/isa.h)."""
-    try:
-        import simde_py
-    except ImportError as exc:
-        raise RuntimeError("emulating AVX-512 needs the simde-py package (pip install simde-py)") from exc
-    # -O1: the emulated library is for checking numerics, and SIMDe's headers make -O3 builds
-    # take minutes; no contraction of SIMDe's separate multiplies and adds into FMAs either.
-    return ["-O1", "-ffp-contract=off", "-DKVFLOW_SIMDE", f"-I{simde_py.get_include()}"]
-
-
-def build(verbose: bool = False, emulate_avx512: bool = False) -> Path:
-    """Compile the kernels (or find them already compiled) and return the library's path.
-
-    `emulate_avx512` builds a test-only variant whose AVX-512 paths run on any x86-64 CPU,
-    emulated instruction by instruction (slowly): CI machines without AVX-512 use it to check
-    those kernels' numerics."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    flags = [*(f for f in _FLAGS if f != "-O3"), *_simde_flags()] if emulate_avx512 else _FLAGS
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256()
-    # -march=native: a library built on one CPU must not be picked up on another.
-    for part in [*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(flags).encode(), version.encode(), _cpu_flags()]:
-        digest.update(part)
-    name = "kvflow_cpu_simde" if emulate_avx512 else "kvflow_cpu"
-    target = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    # Build to a temporary name and rename: concurrent first uses never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    cmd = [cxx, *flags, *map(str, _SOURCES), "-o", str(partial)]
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"building kvflow's CPU kernels failed:\n{result.stderr[-4000:]}")
-    partial.replace(target)
-    return target
 
 
 class CPUKernels:

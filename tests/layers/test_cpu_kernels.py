@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-from kvflow.layers import cpu_kernels, kv_layout
+from kvflow.layers import cpu_build, cpu_kernels, kv_layout
 
 
 def test_load_builds_the_kernels(kernels):
@@ -219,9 +219,9 @@ def test_kernel_sources_compile_for_other_cpus(march):
     """`make` compiles for the machine it runs on (-march=native), so this machine's build says
     nothing about others: each source must also compile for a CPU without AVX-512, one with
     AVX-512 but no AVX512-BF16, and one with both (a failure there disables every kernel)."""
-    cxx = cpu_kernels._compiler()
+    cxx = cpu_build._compiler()
     assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
-    for source in cpu_kernels._SOURCES:
+    for source in cpu_build._SOURCES:
         result = subprocess.run([cxx, "-std=c++17", "-fopenmp", f"-march={march}", "-fsyntax-only", str(source)],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{source.name} for -march={march}:\n{result.stderr[-2000:]}"
@@ -235,11 +235,11 @@ def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
     the reference in both dtypes."""
     if not kernels.has_gemm_f32:
         pytest.skip("this CPU has no AVX-512: it cannot run code built for skylake-avx512")
-    cxx = cpu_kernels._compiler()
+    cxx = cpu_build._compiler()
     assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
     lib = tmp_path / "kvflow_skylake.so"
-    flags = [f for f in cpu_kernels._FLAGS if not f.startswith("-march")] + ["-march=skylake-avx512"]
-    result = subprocess.run([cxx, *flags, *map(str, cpu_kernels._SOURCES), "-o", str(lib)], capture_output=True,
+    flags = [f for f in cpu_build._FLAGS if not f.startswith("-march")] + ["-march=skylake-avx512"]
+    result = subprocess.run([cxx, *flags, *map(str, cpu_build._SOURCES), "-o", str(lib)], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     skylake = cpu_kernels.CPUKernels(lib)

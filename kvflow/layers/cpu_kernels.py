@@ -72,8 +72,8 @@ class CPUKernels:
     def set_bf16_dot(self, choice: str) -> str:
         """What multiplies bf16 in the GEMM and prefill-attention blocks of 4+ rows: "dpbf16"
         (vdpbf16ps) or "fma" (two float32 FMAs per k-pair), the same bits either way (csrc/dpbf16.h).
-        "auto" times both once and keeps FMAs only where clearly faster: vdpbf16ps issues at a
-        quarter of the FMA rate on some Intel Xeons, at full rate on AMD's. Returns the one in force."""
+        "auto" times both once and keeps FMAs only where clearly faster (vdpbf16ps issued at a
+        quarter of the FMA rate on the Intel Xeon measured). Returns the one in force."""
         if choice not in ("auto", "dpbf16", "fma"):
             raise ValueError(f"KVFLOW_BF16_DOT: expected auto, dpbf16 or fma, got {choice!r}")
         if choice == "auto":

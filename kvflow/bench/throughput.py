@@ -25,7 +25,6 @@ from kvflow.bench.hf_baseline import run_baseline
 from kvflow.bench.results import ThroughputResult, current_rss_mb, numerics_label, peak_rss_mb
 
 
-
 # `--structured-output json`: every request carries this schema. A list of at least 256 strings
 # (each at least 3 tokens), so that outputs run to their max_tokens (at most 256) like the
 # unconstrained ones, since ignore_eos cannot outlast a complete grammar, and both runs time

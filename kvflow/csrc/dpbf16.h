@@ -23,6 +23,15 @@ namespace kvflow {
 
 constexpr int64_t kPrefetchPairs = 64;  // 4 KiB ahead in each weight stream
 
+// k-pair p of tile j (64 bytes: 16 columns x 2 k), asking for its stream 4 KiB ahead into L1
+// and, with `next`, for the same place of the next chunk's tiles into L2.
+inline __m512i load_pair(const uint16_t* tile0, int64_t tile_stride, int j, int64_t p, const uint16_t* next) {
+    const uint16_t* src = tile0 + j * tile_stride + p * 32;
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
+    return _mm512_loadu_si512(src);
+}
+
 template <int MT, int NT, typename Store>
 inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* tile0, int64_t tile_stride,
                          int64_t pairs, Store& store, const uint16_t* next = nullptr) {
@@ -31,12 +40,7 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
         __m512bh w[NT];
-        for (int j = 0; j < NT; ++j) {
-            const uint16_t* src = tile0 + j * tile_stride + p * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
-            if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
-            w[j] = (__m512bh)_mm512_loadu_si512(src);
-        }
+        for (int j = 0; j < NT; ++j) w[j] = (__m512bh)load_pair(tile0, tile_stride, j, p, next);
         for (int m = 0; m < MT; ++m) {
             int32_t pair;
             std::memcpy(&pair, x + m * x_stride + 2 * p, sizeof(pair));
@@ -114,10 +118,7 @@ inline void fma_bf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* 
         for (int64_t p = 0; p < pairs; ++p) {
             __m512 even[NT], odd[NT];
             for (int j = 0; j < NT; ++j) {
-                const uint16_t* src = tile0 + j * tile_stride + p * 32;
-                _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * 32), _MM_HINT_T0);
-                if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j * tile_stride + p * 32), _MM_HINT_T1);
-                const __m512i w = _mm512_loadu_si512(src);
+                const __m512i w = load_pair(tile0, tile_stride, j, p, next);
                 even[j] = even_k(w);
                 odd[j] = odd_k(w);
             }

@@ -105,6 +105,24 @@ inline __m256i maskz_loadu_epi16(__mmask16 k, const void* p) {
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(lane));
 }
 
+// vpmovzxbw (zmm): 32 bytes zero-extended to 32 words; this SIMDe has only the signed form.
+inline __m512i cvtepu8_epi16(__m256i a) {
+    alignas(32) uint8_t in[32];
+    alignas(64) uint16_t out[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(in), a);
+    for (int i = 0; i < 32; ++i) out[i] = in[i];
+    return _mm512_load_si512(out);
+}
+
+// vpmovsxbd (zmm): 16 bytes sign-extended to 16 doublewords, also missing from this SIMDe.
+inline __m512i cvtepi8_epi32(__m128i a) {
+    alignas(16) int8_t in[16];
+    alignas(64) int32_t out[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(in), a);
+    for (int i = 0; i < 16; ++i) out[i] = in[i];
+    return _mm512_load_si512(out);
+}
+
 }  // namespace kvflow::simde_shim
 
 #undef _mm512_dpbf16_ps
@@ -120,6 +138,10 @@ inline __m256i maskz_loadu_epi16(__mmask16 k, const void* p) {
 #define _mm512_maskz_loadu_ps kvflow::simde_shim::maskz_loadu_ps
 #undef _mm256_maskz_loadu_epi16
 #define _mm256_maskz_loadu_epi16 kvflow::simde_shim::maskz_loadu_epi16
+#undef _mm512_cvtepu8_epi16
+#define _mm512_cvtepu8_epi16 kvflow::simde_shim::cvtepu8_epi16
+#undef _mm512_cvtepi8_epi32
+#define _mm512_cvtepi8_epi32 kvflow::simde_shim::cvtepi8_epi32
 
 #elif defined(__AVX512F__)
 #include <immintrin.h>
@@ -128,3 +150,4 @@ inline __m256i maskz_loadu_epi16(__mmask16 k, const void* p) {
 #define KVFLOW_AVX512BF16 1
 #endif
 #endif
+

@@ -144,7 +144,7 @@ inline float group_sum(const uint16_t* x, int64_t group) {
         const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(kvflow::tail_mask(group - i), x + i));
         v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
     }
-    return _mm512_reduce_add_ps(v);
+    return kvflow::reduce_add16(v);  // gcc's order for _mm512_reduce_add_ps, on every compiler
 }
 
 struct Weight {

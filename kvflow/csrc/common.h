@@ -3,8 +3,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <type_traits>
+
+#include <xmmintrin.h>
 
 #include "isa.h"
 
@@ -14,15 +18,16 @@ namespace kvflow {
 // 12 rows x 2 tiles = 24 accumulators of the 32 vector registers).
 constexpr int kMaxBlockRows = 12;
 
-// f(std::integral_constant<int, rows>{}) for a runtime row count in [1, kMaxBlockRows]: the
+// f(std::integral_constant<int, rows>{}) for a runtime row count in [1, Max]: the
 // microkernels' fully unrolled register blocks, picked by the rows a block really has.
-template <int R = 1, typename F>
+// Max: the largest block the caller's microkernel takes.
+template <int Max = kMaxBlockRows, int R = 1, typename F>
 inline void with_block_rows(int64_t rows, F&& f) {
-    if constexpr (R <= kMaxBlockRows) {
+    if constexpr (R <= Max) {
         if (rows == R)
             f(std::integral_constant<int, R>{});
         else
-            with_block_rows<R + 1>(rows, f);
+            with_block_rows<Max, R + 1>(rows, f);
     }
 }
 
@@ -69,6 +74,29 @@ struct BF16 {
     static inline float load(T x) { return bf16_to_float(x); }
     static inline T store(float x) { return float_to_bf16(x); }
     static inline float round(float x) { return bf16_to_float(float_to_bf16(x)); }
+};
+
+// A per-thread float32 buffer of at least n values (kept, and grown, until the thread ends), or
+// null out of memory: the bf16 GEMM blocks widen their rows of x into it once per block.
+inline float* scratch_floats(int64_t n) {
+    struct FreeDeleter {
+        void operator()(float* p) const { std::free(p); }
+    };
+    thread_local std::unique_ptr<float, FreeDeleter> buffer;
+    thread_local int64_t size = 0;
+    if (size < n) {
+        buffer.reset(static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64)));
+        size = buffer ? n : 0;
+    }
+    return buffer.get();
+}
+
+// In its scope, float32 arithmetic reads denormal inputs and writes denormal results as zero, as
+// vdpbf16ps does: the FMA forms of that instruction (dpbf16.h, gemm_avx2.h) run inside one.
+struct FlushDenormals {
+    const unsigned saved = _mm_getcsr();
+    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15), DAZ (bit 6)
+    ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
 #if defined(KVFLOW_AVX512F)

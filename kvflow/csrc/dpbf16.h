@@ -10,9 +10,7 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 
 #include "common.h"
 
@@ -60,21 +58,11 @@ inline void dpbf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* ti
 // of the even pair's, denormal inputs and results flushed (isa.h spells it out); bf16 -> float32
 // is exact, so running exactly those FMAs under DAZ and FTZ gives its results.
 
-struct FreeDeleter {
-    void operator()(float* p) const { std::free(p); }
-};
-
 // Rows [0, rows) of x (bf16, k values each, `x_stride` apart) as float32 in a per-thread buffer
-// (freed when the thread ends), or null out of memory: each k then costs a broadcast load, not an
+// (common.h's scratch_floats), or null out of memory: each k then costs a broadcast load, not an
 // ALU operation.
 inline float* widen_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t k) {
-    thread_local std::unique_ptr<float, FreeDeleter> buffer;
-    thread_local int64_t buffer_size = 0;
-    if (buffer_size < rows * k) {
-        buffer.reset(static_cast<float*>(std::aligned_alloc(64, ((rows * k * 4 + 63) / 64) * 64)));
-        buffer_size = buffer ? rows * k : 0;
-    }
-    float* const wide = buffer.get();  // one thread-local lookup
+    float* const wide = scratch_floats(rows * k);
     if (wide == nullptr) return nullptr;
     for (int64_t m = 0; m < rows; ++m)
         for (int64_t i = 0; i < k; i += 16) {
@@ -84,13 +72,6 @@ inline float* widen_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int6
         }
     return wide;
 }
-
-// In its scope, FMAs read denormal inputs and write denormal results as zero, as vdpbf16ps does.
-struct FlushDenormals {
-    const unsigned saved = _mm_getcsr();
-    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15), DAZ (bit 6)
-    ~FlushDenormals() { _mm_setcsr(saved); }
-};
 
 // One vdpbf16ps operand (16 lanes of a k-pair, each lane (odd k) << 16 | (even k)) as float32.
 inline __m512 even_k(__m512i pair) { return _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)); }

@@ -217,8 +217,8 @@ def kernels():
 
 @pytest.fixture(scope="session")
 def bf16_kernels(kernels):
-    """The kernels, on a CPU with AVX512-BF16 (the bf16 GEMM and prefill attention)."""
-    if not kernels.has_gemm_bf16:
+    """The kernels, on a CPU with AVX512-BF16 (bf16 prefill attention and the quantized tiles)."""
+    if not kernels.avx512_bf16:
         pytest.skip("this CPU has no AVX512-BF16: kvflow's bf16 kernels are not built for it")
     return kernels
 

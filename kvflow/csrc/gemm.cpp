@@ -1,5 +1,6 @@
 // GEMM for every linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 accumulation,
-// in bf16 (AVX512-BF16) and in float32 (AVX-512F).
+// in bf16 (AVX512-BF16) and in float32 (AVX-512F); on CPUs without them, the same weights and
+// bits through AVX2 + FMA (gemm_avx2.h).
 //
 // At the 1-32 rows of a decode step a linear layer is a stream over its weight, and
 // PyTorch's oneDNN path leaves much of the memory bandwidth unused there. These kernels read
@@ -19,6 +20,7 @@
 
 #include <omp.h>
 
+#include "gemm_avx2.h"
 #include "gemm_blocking.h"
 #include "kernels.h"
 #include "microkernel.h"
@@ -71,6 +73,52 @@ int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const 
 }
 #endif
 
+#if defined(KVFLOW_AVX2_GEMM)
+// The same product with gemm_avx2.h's blocks; bf16 rows of x are widened to float32 once per
+// call (exact), into the calling thread's scratch, and read by every thread.
+template <typename T>
+int gemm_avx2(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packed, int64_t n, const T* bias, T* y,
+              int64_t y_stride) {
+    constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+    constexpr int kRows = bf16 ? kvflow::kAvx2RowsBF16 : kvflow::kAvx2RowsF32;
+    if (bf16 && k % 2 != 0) return -1;
+    const int64_t tile_stride = k * kTileCols;
+    float* wide = nullptr;
+    if constexpr (bf16) {
+        wide = kvflow::scratch_floats(m * k);
+        if (wide == nullptr) return -3;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+        for (int64_t r = 0; r < m; ++r) kvflow::avx2_widen_rows(x + r * x_stride, x_stride, 1, k, wide + r * k);
+    }
+    kvflow::for_each_chunk(n, [&](int64_t n0, bool full) {
+        // A block of rows x NT tiles from column col: the chunk's tiles one at a time, or both at
+        // once for a block of one or two rows.
+        auto block = [&](auto mt, auto nt, int64_t r, int64_t col) {
+            constexpr int MT = decltype(mt)::value, NT = decltype(nt)::value;
+            const T* tile = packed + (col / kTileCols) * tile_stride;
+            const int64_t cols = std::min<int64_t>(NT * kTileCols, n - col);
+            const T* b = bias != nullptr ? bias + col : nullptr;
+            if constexpr (bf16)
+                kvflow::avx2_bf16_block<MT, NT>(wide + r * k, k, tile, tile_stride, k / 2, b, y + r * y_stride + col,
+                                                y_stride, cols);
+            else
+                kvflow::avx2_f32_block<MT, NT>(x + r * x_stride, x_stride, tile, tile_stride, k, b,
+                                               y + r * y_stride + col, y_stride, cols);
+        };
+        kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
+            kvflow::with_block_rows<kRows>(rows, [&](auto mt) {
+                if constexpr (decltype(mt)::value <= kvflow::kAvx2WideRows) {
+                    if (full) return block(mt, std::integral_constant<int, kNT>{}, r, n0);
+                }
+                for (int64_t col = n0; col < std::min(n, n0 + kNT * kTileCols); col += kTileCols)
+                    block(mt, std::integral_constant<int, 1>{}, r, col);
+            });
+        }, kRows);
+    });
+    return 0;
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -83,13 +131,29 @@ void kvflow_pack_f32_weight(const float* w, int64_t n, int64_t k, float* packed)
     pack_weight<float, 1>(w, n, k, packed);
 }
 
+// The instruction sets the library's fast paths were built for: 1 AVX-512F, 2 AVX512-BF16,
+// 4 the AVX2 GEMM (for the dtypes without an AVX-512 one).
+int kvflow_isa() {
+    int isa = 0;
+#if defined(KVFLOW_AVX512F)
+    isa |= 1;
+#endif
 #if defined(KVFLOW_AVX512BF16)
+    isa |= 2;
+#endif
+#if defined(KVFLOW_AVX2_GEMM)
+    isa |= 4;
+#endif
+    return isa;
+}
+
+#if defined(KVFLOW_AVX512BF16) || defined(KVFLOW_AVX2_GEMM)
 int kvflow_has_gemm_bf16() { return 1; }
 #else
 int kvflow_has_gemm_bf16() { return 0; }
 #endif
 
-#if defined(KVFLOW_AVX512F)
+#if defined(KVFLOW_AVX512F) || defined(KVFLOW_AVX2_GEMM)
 int kvflow_has_gemm_f32() { return 1; }
 #else
 int kvflow_has_gemm_f32() { return 0; }
@@ -99,6 +163,8 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
 #if defined(KVFLOW_AVX512BF16)
     return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
+#elif defined(KVFLOW_AVX2_GEMM)
+    return gemm_avx2<uint16_t>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;
@@ -109,6 +175,8 @@ int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
                     const float* bias, float* y, int64_t y_stride) {
 #if defined(KVFLOW_AVX512F)
     return gemm<kvflow::F32>(x, m, k, x_stride, packed, n, bias, y, y_stride);
+#elif defined(KVFLOW_AVX2_GEMM)
+    return gemm_avx2<float>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;

@@ -151,3 +151,9 @@ inline __m512i cvtepi8_epi32(__m128i a) {
 #endif
 #endif
 
+// KVFLOW_AVX2_GEMM: the packed GEMM's AVX2 + FMA blocks (gemm_avx2.h), for whichever of its
+// dtypes the CPU has no AVX-512 path for (not in the SIMDe build, which checks the AVX-512 ones).
+#if !defined(KVFLOW_SIMDE) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVFLOW_AVX2_GEMM 1
+#endif

@@ -29,7 +29,7 @@ def impl(request, kernels):
     checks the fast kernels' numerics too."""
     if request.param == "engine":
         return kernels
-    if kernels.has_gemm_bf16:
+    if kernels.avx512_bf16:
         return kernels
     from kvflow.layers import cpu_kernels
 
@@ -99,7 +99,7 @@ def test_decode_and_prefill_rows_are_bitwise_equal(impl, dtype, block_size, num_
     # bf16 too where vdpbf16ps is emulated as Intel documents it (on real silicon the pair sum
     # is the instruction's, so at most 1 ulp apart there).
     portable = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, portable=True)
-    if dtype == torch.bfloat16 and "simde" not in kernels.path.name and kernels.has_gemm_bf16:
+    if dtype == torch.bfloat16 and "simde" not in kernels.path.name and kernels.avx512_bf16:
         assert_nearly_bitwise(portable, reference, max_fraction=0.05, label=" (portable vs vdpbf16ps)")
     else:
         bad = [t for t in range(seq_len) if not torch.equal(portable[t], reference[t])]

@@ -161,7 +161,7 @@ def test_paged_decode_attention_matches_reference(kernels, kind, num_heads, num_
     assert out.shape == q.shape and out.dtype == dtype
     assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, scale), dtype)
     # The "avx512" cases must really run it wherever AVX-512 is there, whatever the block size.
-    assert kernels.decode_fast_path(dtype, head_dim) == (kernels.has_gemm_f32 and head_dim % 16 == 0)
+    assert kernels.decode_fast_path(dtype, head_dim) == (kernels.avx512f and head_dim % 16 == 0)
 
 
 def test_paged_decode_attention_long_sequence(kernels):
@@ -233,7 +233,7 @@ def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
     keys as vdpbf16ps does, which only AVX512-BF16 computes natively (docs/architecture.md,
     "Attention numerics"). Built here for such a CPU (this one runs its code) and checked against
     the reference in both dtypes."""
-    if not kernels.has_gemm_f32:
+    if not kernels.avx512f:
         pytest.skip("this CPU has no AVX-512: it cannot run code built for skylake-avx512")
     cxx = cpu_build._compiler()
     assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
@@ -243,7 +243,7 @@ def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
                             text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     skylake = cpu_kernels.CPUKernels(lib)
-    assert not skylake.has_gemm_bf16 and skylake.has_gemm_f32
+    assert skylake.avx512f and not skylake.avx512_bf16 and skylake.has_gemm_bf16  # bf16 GEMM: AVX2
     assert skylake.decode_fast_path(torch.float32, 64) and not skylake.decode_fast_path(torch.bfloat16, 64)
     for dtype in (torch.bfloat16, torch.float32):
         for block_size in (16, 8):

@@ -1,13 +1,15 @@
 """kvflow's packed GEMMs (csrc/gemm.cpp) against a float64 reference, in bf16 and float32.
 
-Guards, for each dtype the CPU supports (bf16 needs AVX512-BF16, float32 AVX-512F):
+Guards, for each dtype (the AVX-512 kernels where the CPU has AVX-512F, and AVX512-BF16 for bf16;
+the AVX2 + FMA blocks of csrc/gemm_avx2.h elsewhere):
   - values with and without bias over row counts that split into register blocks of every
     size (up to 12 rows at decode sizes, 8 beyond 64 rows), ragged N (a half tile, an odd tile
     count) and two K;
   - the packed layout itself;
   - batch invariance: each row is bitwise the row computed alone, or in any sub-batch;
   - strided rows and a non-contiguous bias give the contiguous result;
-  - bad shapes and mixed dtypes raise ValueError rather than reading out of bounds.
+  - bad shapes and mixed dtypes raise ValueError rather than reading out of bounds;
+  - the AVX2 blocks give the AVX-512 kernels' bits (against the SIMDe-emulated build).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import math
 
 import pytest
 import torch
+
+from kvflow.layers import cpu_kernels
+from tests.layers.test_bf16_dot import with_denormals
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
@@ -156,3 +161,29 @@ def test_gemm_rejects_mixed_dtypes(gemm, dtype, which):
         x = x.to(other)
     with pytest.raises(ValueError, match="share one dtype"):
         gemm.gemm(x, packed, 40, bias)
+
+
+@DTYPES
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_avx2_blocks_give_the_avx512_bits(gemm, dtype, with_bias):
+    """Without AVX-512 the GEMM sums every output in the AVX-512 kernels' order, bf16 k-pairs as
+    vdpbf16ps does (odd product first, denormals flushed): the same bits on every CPU type, so a
+    token never depends on which one served it. Compared with the SIMDe-emulated AVX-512 build at
+    every AVX2 block size (5 rows bf16, 6 float32) and ragged N."""
+    if gemm.avx512_bf16 if dtype == torch.bfloat16 else gemm.avx512f:
+        pytest.skip(f"this CPU runs the AVX-512 {dtype} GEMM itself")
+    avx512 = cpu_kernels.load_emulated_avx512()
+    for m in (1, 2, 4, 5, 6, 7, 11, 13, 70):
+        for n, k in ((40, 64), (200, 576)):
+            g = torch.Generator().manual_seed(m * 1000 + n + k)
+            x, w = randn(m, k, dtype=dtype, generator=g), randn(n, k, dtype=dtype, generator=g) / math.sqrt(k)
+            bias = randn(n, dtype=dtype, generator=g) if with_bias else None
+            if dtype == torch.bfloat16:  # vdpbf16ps reads denormal inputs as zero
+                x, w = with_denormals(x, g), with_denormals(w, g)
+                x[0, :], w[0, :] = 1e-19, 1e-19  # products that underflow: flushed, not summed
+                if bias is not None:
+                    bias[1] = 3e-39  # a denormal bias, which the rounding to bf16 flushes
+            got = gemm.gemm(x, gemm.pack_weight(w), n, bias)
+            expected = avx512.gemm(x, avx512.pack_weight(w), n, bias)
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (m, n, k)

@@ -20,7 +20,7 @@ from kvflow.quantization.qweight import QuantizedWeight
 @pytest.fixture(scope="module")
 def lib(kernels):
     """(kernels, tile library): native where the CPU has AVX512-BF16, else the emulated build."""
-    k = kernels if kernels.has_gemm_bf16 else cpu_kernels.load_emulated_avx512()
+    k = kernels if kernels.avx512_bf16 else cpu_kernels.load_emulated_avx512()
     return k, tiles._bind(k.lib)
 
 

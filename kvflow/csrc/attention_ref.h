@@ -25,6 +25,10 @@
 
 #include "common.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace kvflow::ref {
 
 constexpr int64_t kMaxRefRows = 16;  // query heads per KV head (the decode kernel's kMaxGroup)
@@ -46,6 +50,49 @@ inline float exp_ref(float x) {
     p = std::fma(p, r, 1.f);
     return std::ldexp(p, static_cast<int>(n));
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVFLOW_REF_AVX2 1
+// exp_ref on 8 lanes: the same clamp, rounding, FMAs and scaling by 2^n, which is exact and so
+// ldexp's result: the clamp keeps n >= -144, where 2^n is a float (denormal below -126) and one
+// multiplication rounds p * 2^n once, as ldexp does. Softmax spends most of its time here; the
+// scalar form with its libm calls made the portable attention paths exp-bound (W-offline on an
+// AVX2 CPU: 40 % of decode steps). Compiled in the SIMDe build too, whose AVX-512 kernels
+// (exp512) the tests compare it with.
+inline __m256 exp_ref8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-100.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_cvtps_epi32(n);  // integral already: exact
+    const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+    const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(e, _mm256_set1_epi32(149)));
+    const __m256i two_n = _mm256_blendv_epi8(normal, denormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), e));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// to_bf16_daz then back to float, on 8 lanes (no NaN reaches it: softmax weights are in [0, 1]).
+inline __m256 round_bf16_daz8(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), abs);  // |x| < FLT_MIN
+    const __m256i flushed = _mm256_andnot_si256(tiny, bits);
+    const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m256i kept = _mm256_or_si256(flushed, _mm256_and_si256(tiny, sign));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(kept, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(kept, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
 
 // float -> bf16 as vcvtneps2bf16: round to nearest even, denormal inputs read as (signed) zero.
 inline uint16_t to_bf16_daz(float x) {
@@ -158,7 +205,27 @@ void attend_rows(const typename Dt::T* q, int64_t q_stride, int64_t positions, i
         float m = -INFINITY;
         for (int64_t t = 0; t < row_len; ++t) m = std::fmax(m, p[t]);
         float lane[16] = {};
-        for (int64_t t = 0; t < row_len; ++t) {
+        int64_t t = 0;
+#if defined(KVFLOW_REF_AVX2)
+        // 16 keys at a time: lanes 0-7 and 8-15 of the sums, each still in key order.
+        __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+        const __m256 max8 = _mm256_set1_ps(m);
+        for (; t + 16 <= row_len; t += 16) {
+            __m256 lo = exp_ref8(_mm256_sub_ps(_mm256_loadu_ps(p + t), max8));
+            __m256 hi = exp_ref8(_mm256_sub_ps(_mm256_loadu_ps(p + t + 8), max8));
+            if constexpr (kBF16) {
+                lo = round_bf16_daz8(lo);
+                hi = round_bf16_daz8(hi);
+            }
+            _mm256_storeu_ps(p + t, lo);
+            _mm256_storeu_ps(p + t + 8, hi);
+            sum_lo = _mm256_add_ps(sum_lo, lo);
+            sum_hi = _mm256_add_ps(sum_hi, hi);
+        }
+        _mm256_storeu_ps(lane, sum_lo);
+        _mm256_storeu_ps(lane + 8, sum_hi);
+#endif
+        for (; t < row_len; ++t) {
             const float e = exp_ref(p[t] - m);
             p[t] = kBF16 ? bf16_to_float(to_bf16_daz(e)) : e;
             lane[t % 16] += p[t];

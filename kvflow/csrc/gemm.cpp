@@ -86,7 +86,7 @@ int gemm_avx2(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packe
     float* wide = nullptr;
     if constexpr (bf16) {
         wide = kvflow::scratch_floats(m * k);
-        if (wide == nullptr) return -3;
+        if (wide == nullptr) return -4;  // OUT_OF_MEMORY in layers/cpu_kernels.py
 #pragma omp parallel for schedule(static) if (m * k >= 65536)
         for (int64_t r = 0; r < m; ++r) kvflow::avx2_widen_rows(x + r * x_stride, x_stride, 1, k, wide + r * k);
     }

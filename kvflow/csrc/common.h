@@ -77,7 +77,9 @@ struct BF16 {
 };
 
 // A per-thread float32 buffer of at least n values (kept, and grown, until the thread ends), or
-// null out of memory: the bf16 GEMM blocks widen their rows of x into it once per block.
+// null out of memory: the bf16 GEMM blocks widen their rows of x into it once per block. Slot:
+// independent buffers for one thread (the calling thread of a GEMM is also one of its workers).
+template <int Slot = 0>
 inline float* scratch_floats(int64_t n) {
     struct FreeDeleter {
         void operator()(float* p) const { std::free(p); }

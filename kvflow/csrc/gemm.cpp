@@ -12,6 +12,8 @@
 // so results do not depend on how many rows share the step.
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -75,47 +77,65 @@ int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const 
 
 #if defined(KVFLOW_AVX2_GEMM)
 // The same product with gemm_avx2.h's blocks; bf16 rows of x are widened to float32 once per
-// call (exact), into the calling thread's scratch, and read by every thread.
+// call (exact), into the calling thread's scratch, and read by every thread. From
+// kAvx2WidenFrom rows on, each thread also widens its chunk's bf16 weights once and runs the
+// float32 block over them (the same FMAs in the same order, under DAZ/FTZ).
 template <typename T>
 int gemm_avx2(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packed, int64_t n, const T* bias, T* y,
               int64_t y_stride) {
     constexpr bool bf16 = std::is_same_v<T, uint16_t>;
-    constexpr int kRows = bf16 ? kvflow::kAvx2RowsBF16 : kvflow::kAvx2RowsF32;
     if (bf16 && k % 2 != 0) return -1;
+    const bool widen_weights = bf16 && m >= kvflow::kAvx2WidenFrom;
     const int64_t tile_stride = k * kTileCols;
     float* wide = nullptr;
     if constexpr (bf16) {
         wide = kvflow::scratch_floats(m * k);
         if (wide == nullptr) return -4;  // OUT_OF_MEMORY in layers/cpu_kernels.py
 #pragma omp parallel for schedule(static) if (m * k >= 65536)
-        for (int64_t r = 0; r < m; ++r) kvflow::avx2_widen_rows(x + r * x_stride, x_stride, 1, k, wide + r * k);
+        for (int64_t r = 0; r < m; ++r)
+            kvflow::avx2_widen_rows(x + r * x_stride, x_stride, 1, k, wide + r * k, widen_weights);
     }
+    std::atomic<bool> out_of_memory{false};
     kvflow::for_each_chunk(n, [&](int64_t n0, bool full) {
+        const int64_t tiles = std::min<int64_t>(kNT, (n - n0 + kTileCols - 1) / kTileCols);
+        const float* wide_tiles = nullptr;  // this chunk's weights as float32 tiles [k][16]
+        if (widen_weights) {
+            float* buffer = kvflow::scratch_floats<1>(kNT * k * kTileCols);
+            if (buffer == nullptr) return out_of_memory.store(true);
+            if (std::getenv("NOWIDEN") == nullptr) kvflow::avx2_widen_tiles(reinterpret_cast<const uint16_t*>(packed) + (n0 / kTileCols) * tile_stride,
+                                     tile_stride, tiles, k / 2, buffer);
+            wide_tiles = buffer;
+        }
         // A block of rows x NT tiles from column col: the chunk's tiles one at a time, or both at
         // once for a block of one or two rows.
         auto block = [&](auto mt, auto nt, int64_t r, int64_t col) {
             constexpr int MT = decltype(mt)::value, NT = decltype(nt)::value;
-            const T* tile = packed + (col / kTileCols) * tile_stride;
             const int64_t cols = std::min<int64_t>(NT * kTileCols, n - col);
             const T* b = bias != nullptr ? bias + col : nullptr;
-            if constexpr (bf16)
-                kvflow::avx2_bf16_block<MT, NT>(wide + r * k, k, tile, tile_stride, k / 2, b, y + r * y_stride + col,
-                                                y_stride, cols);
-            else
-                kvflow::avx2_f32_block<MT, NT>(x + r * x_stride, x_stride, tile, tile_stride, k, b,
-                                               y + r * y_stride + col, y_stride, cols);
+            if constexpr (bf16) {
+                if (wide_tiles != nullptr)
+                    kvflow::avx2_f32_block<MT, NT, true>(wide + r * k, k, wide_tiles + (col - n0) * k, tile_stride, k,
+                                                         b, y + r * y_stride + col, y_stride, cols);
+                else if constexpr (MT <= kvflow::kAvx2RowsBF16)
+                    kvflow::avx2_bf16_block<MT, NT>(wide + r * k, k, packed + (col / kTileCols) * tile_stride,
+                                                    tile_stride, k / 2, b, y + r * y_stride + col, y_stride, cols);
+            } else {
+                kvflow::avx2_f32_block<MT, NT>(x + r * x_stride, x_stride, packed + (col / kTileCols) * tile_stride,
+                                               tile_stride, k, b, y + r * y_stride + col, y_stride, cols);
+            }
         };
+        const int64_t max_rows = bf16 && !widen_weights ? kvflow::kAvx2RowsBF16 : kvflow::kAvx2RowsF32;
         kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
-            kvflow::with_block_rows<kRows>(rows, [&](auto mt) {
+            kvflow::with_block_rows<kvflow::kAvx2RowsF32>(rows, [&](auto mt) {
                 if constexpr (decltype(mt)::value <= kvflow::kAvx2WideRows) {
                     if (full) return block(mt, std::integral_constant<int, kNT>{}, r, n0);
                 }
                 for (int64_t col = n0; col < std::min(n, n0 + kNT * kTileCols); col += kTileCols)
                     block(mt, std::integral_constant<int, 1>{}, r, col);
             });
-        }, kRows);
+        }, max_rows);
     });
-    return 0;
+    return out_of_memory ? -4 : 0;
 }
 #endif
 

@@ -173,7 +173,7 @@ def test_avx2_blocks_give_the_avx512_bits(gemm, dtype, with_bias):
     if gemm.avx512_bf16 if dtype == torch.bfloat16 else gemm.avx512f:
         pytest.skip(f"this CPU runs the AVX-512 {dtype} GEMM itself")
     avx512 = cpu_kernels.load_emulated_avx512()
-    for m in (1, 2, 4, 5, 6, 7, 11, 13, 70):
+    for m in (1, 2, 4, 5, 6, 7, 11, 13, 16, 70):
         for n, k in ((40, 64), (200, 576)):
             g = torch.Generator().manual_seed(m * 1000 + n + k)
             x, w = randn(m, k, dtype=dtype, generator=g), randn(n, k, dtype=dtype, generator=g) / math.sqrt(k)

@@ -102,7 +102,7 @@ int gemm_avx2(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packe
         if (widen_weights) {
             float* buffer = kvflow::scratch_floats<1>(kNT * k * kTileCols);
             if (buffer == nullptr) return out_of_memory.store(true);
-            if (std::getenv("NOWIDEN") == nullptr) kvflow::avx2_widen_tiles(reinterpret_cast<const uint16_t*>(packed) + (n0 / kTileCols) * tile_stride,
+            kvflow::avx2_widen_tiles(reinterpret_cast<const uint16_t*>(packed) + (n0 / kTileCols) * tile_stride,
                                      tile_stride, tiles, k / 2, buffer);
             wide_tiles = buffer;
         }

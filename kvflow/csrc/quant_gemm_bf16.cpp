@@ -219,7 +219,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
                     const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t groups = w.groups(), tile_stride = w.k * kTileCols, bytes = tile_bytes(Bits, w.k);
     std::unique_ptr<float[]> xsums(Offsets ? new (std::nothrow) float[static_cast<size_t>(m * groups)] : nullptr);
-    if (Offsets && !xsums) return -3;
+    if (Offsets && !xsums) return -4;  // OUT_OF_MEMORY in layers/cpu_kernels.py
     int failed = 0;
 #pragma omp parallel
     {
@@ -275,7 +275,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
         }
         std::free(tiles);
     }
-    return failed ? -3 : 0;
+    return failed ? -4 : 0;
 }
 
 // The instantiation for a weight's format.
@@ -344,7 +344,7 @@ int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, con
 }
 
 // out_dtype 1: y bf16, bias bf16 (or null); 0: y float32, bias float32 (the LM head's logits).
-// Returns 0, -2 without AVX512-BF16, -3 out of memory.
+// Returns 0, -2 without AVX512-BF16, -4 out of memory.
 int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int bits,
                            const uint8_t* q, const float* scales, const float* offsets, int64_t group, int64_t n,
                            const void* bias, void* y, int64_t y_stride) {

@@ -18,6 +18,9 @@
 // (quants unpacked in registers for up to kUnpackedRows rows, or unpacked once per call into a
 // tile in L1/L2 that every row block then reads): batch-invariant.
 //
+// On CPUs with AVX2 and FMA but no AVX512-BF16, quant_gemm_avx2.h runs the same sums in the
+// same order on the same packed tiles (vdpbf16ps as two FMAs under DAZ/FTZ): the same bits.
+//
 // Why not quant_gemm.cpp's float32 dot products: on AVX512-BF16 CPUs vdpbf16ps does twice their
 // arithmetic per instruction, and a decode step is only memory-bound if the unpacking keeps up.
 //
@@ -36,11 +39,13 @@
 #include <new>
 
 #include "gemm_blocking.h"
+#include "quant_gemm_avx2.h"
 
 namespace {
 
 using kvflow::kNT;
 using kvflow::kTileCols;
+using Weight = kvflow::QuantTileWeight;
 
 // The value of element e (column e / 2, input 2p + e % 2) of k-pair step p in a row-major
 // QuantizedWeight row layout (bits 4: 32-input blocks of 16 bytes, input j low, 16 + j high).
@@ -50,7 +55,7 @@ inline int row_value(int bits, const uint8_t* q, int64_t k, int64_t col, int64_t
     return (i % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
 }
 
-inline int64_t tile_bytes(int bits, int64_t k) { return k * kTileCols * bits / 8; }
+inline int64_t tile_bytes(int bits, int64_t k) { return kvflow::quant_tile_bytes(bits, k); }
 
 #if defined(KVFLOW_AVX512BF16)
 // How far ahead in the quant stream to ask for it, into L2: measured at one row, single thread,
@@ -146,15 +151,6 @@ inline float group_sum(const uint16_t* x, int64_t group) {
     }
     return kvflow::reduce_add16(v);  // gcc's order for _mm512_reduce_add_ps, on every compiler
 }
-
-struct Weight {
-    int bits;
-    const uint8_t* q;
-    const float* scales;   // [tiles][groups][16]
-    const float* offsets;  // o', the same shape, or null
-    int64_t group, k;
-    int64_t groups() const { return k / group; }
-};
 
 // MT rows x NT tiles. `out` accumulates across groups in memory (L1), so that the group's
 // MT x NT vdpbf16ps accumulators keep the registers (12 x 2 at prefill sizes).
@@ -277,15 +273,28 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
     }
     return failed ? -4 : 0;
 }
+#endif
 
-// The instantiation for a weight's format.
+#if defined(KVFLOW_AVX512BF16) || defined(KVFLOW_AVX2_GEMM)
+// The instantiation for a weight's format: this kernel on AVX512-BF16, quant_gemm_avx2.h's
+// (the same bits) on other CPUs with AVX2 and FMA.
 template <typename Out>
 int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
+    auto run = [&](auto bits, auto offsets) {
+        constexpr int Bits = decltype(bits)::value;
+        constexpr bool Offsets = decltype(offsets)::value;
+#if defined(KVFLOW_AVX512BF16)
+        return quant_gemm_bf16<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
+#else
+        return kvflow::quant_gemm_avx2<typename Out::T, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
+#endif
+    };
+    using Four = std::integral_constant<int, 4>;
+    using Eight = std::integral_constant<int, 8>;
     if (w.bits == 4)  // 4-bit tiles always carry o' = o - 128 s
-        return w.offsets ? quant_gemm_bf16<Out, 4, true>(x, m, x_stride, w, n, bias, y, y_stride) : -1;
-    return w.offsets ? quant_gemm_bf16<Out, 8, true>(x, m, x_stride, w, n, bias, y, y_stride)
-                     : quant_gemm_bf16<Out, 8, false>(x, m, x_stride, w, n, bias, y, y_stride);
+        return w.offsets ? run(Four{}, std::true_type{}) : -1;
+    return w.offsets ? run(Eight{}, std::true_type{}) : run(Eight{}, std::false_type{});
 }
 #endif
 
@@ -294,7 +303,7 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
 extern "C" {
 
 int kvflow_has_quant_gemm_bf16() {
-#if defined(KVFLOW_AVX512BF16)
+#if defined(KVFLOW_AVX512BF16) || defined(KVFLOW_AVX2_GEMM)
     return 1;
 #else
     return 0;
@@ -344,11 +353,11 @@ int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, con
 }
 
 // out_dtype 1: y bf16, bias bf16 (or null); 0: y float32, bias float32 (the LM head's logits).
-// Returns 0, -2 without AVX512-BF16, -4 out of memory.
+// Returns 0, -2 without AVX512-BF16 or AVX2 + FMA, -4 out of memory.
 int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int bits,
                            const uint8_t* q, const float* scales, const float* offsets, int64_t group, int64_t n,
                            const void* bias, void* y, int64_t y_stride) {
-#if defined(KVFLOW_AVX512BF16)
+#if defined(KVFLOW_AVX512BF16) || defined(KVFLOW_AVX2_GEMM)
     if (m == 0) return 0;
     const Weight w{bits, q, scales, offsets, group, k};
     if (out_dtype == 1)

@@ -3,15 +3,16 @@
 `F.linear` hands oneDNN a plain [out, in] weight, which oneDNN reorders into its blocked
 layout on every call; at the few rows of a decode step that reorder costs as much as the
 product. `pack_linear_weights` packs each weight once, after the final dtype cast:
-  - kvflow's own GEMM (`cpu_kernels.gemm`) for bf16 on a CPU with AVX512-BF16 and for float32
-    on one with AVX-512: measured 1.2-2x faster than oneDNN at 1-32 rows in bf16 (1.1-1.8x in
-    float32) and level with or slightly ahead of it at 2,048; its summation order does not
-    depend on the number of rows, so a token's output is the same alone or batched;
+  - kvflow's own GEMM (`cpu_kernels.gemm`) for bf16 and float32 on a CPU with AVX-512 (bf16:
+    AVX512-BF16) or AVX2 + FMA (csrc/gemm_avx2.h, the same bits): measured on AVX-512 1.2-2x
+    faster than oneDNN at 1-32 rows in bf16 (1.1-1.8x in float32) and level with or slightly
+    ahead of it at 2,048; its summation order does not depend on the number of rows, so a
+    token's output is the same alone or batched;
   - otherwise oneDNN's prepacked weight (1.5-2x faster than `F.linear` at 1-32 rows; bf16
     results bit-identical to `F.linear`, float32 differing only in summation order);
   - the plain weight where neither applies (not the CPU, KVFLOW_PACKED_LINEAR=0).
 A quantized `Linear` (kvflow/quantization) holds a `QuantizedWeight` instead and runs the
-integer kernel; its plain weight is gone. In a bf16 model on a CPU with AVX512-BF16, packing
+integer kernel; its plain weight is gone. In a bf16 model on a CPU with AVX512-BF16 or AVX2, packing
 turns the quantized weight into the bf16 GEMM's tiles (`quantization/tiles.py`: exactly the bf16
 GEMM on the dequantized weight, as fast in prefill, half or a quarter of the bytes in decode);
 elsewhere it runs the row-layout kernel (`quantization/kernels.py`).
@@ -105,7 +106,7 @@ class Linear(nn.Linear):
                 pass
 
     def _pack_quantized(self) -> None:
-        """bf16 models on AVX512-BF16: the quantized weight in tiles (its row layout released)."""
+        """bf16 models where the tiles run: the quantized weight in tiles (its row layout released)."""
         qw = self.quant_weight
         if (self.quant_tiles is not None or self.weight.dtype != torch.bfloat16 or qw.qweight.device.type != "cpu"
                 or not tile_kernels.available()

@@ -1,4 +1,4 @@
-"""The Llama decoder stack in one C++ call: bf16 on CPUs with AVX512-BF16, float32 on AVX-512.
+"""The Llama decoder stack in one C++ call, in bf16 or float32, on CPUs with AVX-512 or AVX2 + FMA.
 
 `LlamaForCausalLM`'s modules run kvflow's CPU kernels one op at a time. At a decode step
 each op is microseconds of work behind microseconds of Python (module calls, views,

@@ -1,15 +1,17 @@
 """Quantized weights packed in the bf16 GEMM's tiles, and the linear op that runs on them.
 
-On CPUs with AVX512-BF16, a quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp
-in the bf16 GEMM's 16-column tiles: the integers themselves are vdpbf16ps's bf16 operands
+A quantized layer with bf16 activations runs csrc/quant_gemm_bf16.cpp in the bf16 GEMM's
+16-column tiles. On CPUs with AVX512-BF16: the integers themselves are vdpbf16ps's bf16 operands
 (exact; a 4-bit q as 128 + q, one bitwise operation from its nibble) and each group's sum is
 scaled and offset in float32. No weight is rounded to bf16, so the result is
 sum_k x * (q * s + o) up to float32 rounding, the same for a row whatever rows share the call.
 Unpacking costs 2 (4-bit) or 2.5 (int8) vector operations per 32 weights, against ~11 and ~7
 for dequantizing to float32 and rounding to bf16, which is what lets a quantized decode step run
 at memory speed; prefill runs at about the bf16 GEMM's rate (two more FMAs per 16 columns and
-group). quant_gemm.cpp (row layout, float32 dot products) stays the path for float32
-activations and for CPUs without AVX512-BF16.
+group). On CPUs with AVX2 and FMA but no AVX512-BF16, csrc/quant_gemm_avx2.h does vdpbf16ps's
+work as two FMAs per pair under DAZ/FTZ, in the same order: the same bits on every machine type.
+quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
+for CPUs without AVX2.
 
 `QuantTiles` is made once at load from a `QuantizedWeight` (the row layout every checkpoint
 format becomes) and replaces it: the row-layout tensors are released, so the weight is held once.
@@ -69,7 +71,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether this machine runs the tile kernel (AVX512-BF16 and the CPU kernels built)."""
+    """Whether this machine runs the tile kernel (AVX512-BF16 or AVX2 + FMA, the CPU kernels built)."""
     return _library() is not None
 
 
@@ -83,7 +85,7 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
     """The tile form of `weight` (its tensors are only read). `lib` is for tests (an emulated build)."""
     lib = lib or _library()
     if lib is None:
-        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16")
+        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16 or AVX2 + FMA")
     if not supports(weight):
         raise ValueError(f"quantized tiles: groups of {weight.group_size} over {weight.in_features} inputs")
     n, k = weight.out_features, weight.in_features
@@ -108,7 +110,7 @@ def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bo
     `float32_out` the output is the float32 accumulator (the LM head's logits)."""
     lib = lib or _library()
     if lib is None:
-        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16")
+        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16 or AVX2 + FMA")
     out_dtype = torch.float32 if float32_out else torch.bfloat16
     bias_t = None if bias is None else bias.detach().to(torch.bfloat16).to(out_dtype).contiguous()
     k, n = tiles.in_features, tiles.out_features

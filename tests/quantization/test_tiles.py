@@ -15,6 +15,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.layers import cpu_kernels
 from kvflow.quantization import methods, tiles
 from kvflow.quantization.qweight import QuantizedWeight
+from tests.layers.test_bf16_dot import with_denormals
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,31 @@ def test_tiles_are_batch_invariant(lib, which):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
 
 
+@pytest.mark.parametrize("out", ["float32", "bf16", "bf16+bias"])
+def test_avx2_tiles_give_the_avx512_bits(kernels, out):
+    """Without AVX512-BF16 the tiles run on AVX2 + FMA (csrc/quant_gemm_avx2.h) in the AVX-512
+    kernel's order, vdpbf16ps's pairs as two FMAs under DAZ/FTZ: the same bits as the emulated
+    AVX-512 build, at the in-register row blocks (1-4 rows, two tiles for 1-2), the stored-tile
+    blocks (16 rows on, up to 5), ragged N, every weight format, and denormal activations."""
+    if kernels.avx512_bf16:
+        pytest.skip("this CPU runs the AVX512-BF16 tiles itself")
+    if not tiles.available():
+        pytest.skip("this CPU has neither AVX512-BF16 nor AVX2 + FMA")
+    native, avx512 = tiles._bind(kernels.lib), tiles._bind(cpu_kernels.load_emulated_avx512().lib)
+    for m in (1, 2, 3, 5, 9, 15, 16, 17, 23, 40):
+        for n, k in ((40, 64), (136, 576)):
+            g = torch.Generator().manual_seed(m * 1000 + n)
+            x = with_denormals(torch.randn(m, k, generator=g).to(torch.bfloat16), g)
+            if m % 2:  # a row of denormals: its sums are zero under DAZ, tiny but not zero without
+                x[m // 2] = with_denormals(torch.zeros(k, dtype=torch.bfloat16), g)
+            bias = torch.randn(n, generator=g) if out == "bf16+bias" else None
+            for qw in _weights(n, k, seed=m):
+                got, expected = (tiles.prepare(tiles.pack(qw, lib=lib), bias, out == "float32", lib=lib)(x)
+                                 for lib in (native, avx512))
+                bits = torch.int32 if out == "float32" else torch.int16
+                assert torch.equal(got.view(bits), expected.view(bits)), (m, n, k, qw.source, qw.group_size)
+
+
 def test_tiles_pack_a_gguf_q4_1_layout(lib):
     """4-bit values in GGUF's nibble order with Q4_1's minimum as the offset, as shipped."""
     _, tile_lib = lib
@@ -98,9 +124,12 @@ def test_tiles_refuse_what_they_cannot_pack(lib):
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_bf16_engine_runs_on_tiles_in_the_fused_stack(bf16_kernels, tiny_models, monkeypatch, method):
-    """On AVX512-BF16 a quantized bf16 model packs its linears as tiles, releases the row layout,
-    and the one-call stack runs them: the same tokens and logprobs as the module path."""
+def test_quantized_bf16_engine_runs_on_tiles_in_the_fused_stack(kernels, tiny_models, monkeypatch, method):
+    """Where the tiles run (AVX512-BF16, or AVX2 + FMA) a quantized bf16 model packs its linears
+    as tiles, releases the row layout, and the one-call stack runs them: the same tokens and
+    logprobs as the module path."""
+    if not tiles.available():
+        pytest.skip("the quantized tiles need AVX512-BF16 or AVX2 + FMA")
     path, _ = tiny_models("llama")
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)

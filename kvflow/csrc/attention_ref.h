@@ -120,9 +120,45 @@ inline void scores_tile16(QRow q_row, int64_t r0, int64_t nr, const typename Dt:
                           int64_t head_dim, float scale, float* scores, int64_t len) {
     using T = typename Dt::T;
     constexpr int64_t G = kKeyGroup<T>;
-    float a[4][16] = {};
     const T* qr[4];
     for (int64_t i = 0; i < 4; ++i) qr[i] = q_row(r0 + std::min(i, nr - 1));
+#if defined(KVFLOW_REF_AVX2)
+    // The same chains on 8 lanes (keys 0-7, 8-15): a bf16 cell holds dim 2g in its low half and
+    // 2g + 1 in its high half, so a mask and a shift widen both; FMAs round as the scalar
+    // products-then-sums do because every product is exact.
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < head_dim / G; ++g) {
+        const T* c = cells + g * block_size * G;
+        if constexpr (G == 2) {
+            const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+            __m256 k0[2], k1[2];
+            for (int h = 0; h < 2; ++h) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 16 * h));
+                k1[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                k0[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            }
+            for (int i = 0; i < 4; ++i) {
+                const __m256 q0 = _mm256_set1_ps(Dt::load(qr[i][2 * g])), q1 = _mm256_set1_ps(Dt::load(qr[i][2 * g + 1]));
+                for (int h = 0; h < 2; ++h) {
+                    acc[i][h] = _mm256_fmadd_ps(q1, k1[h], acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(q0, k0[h], acc[i][h]);
+                }
+            }
+        } else {
+            const __m256 k0[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(c)),
+                                  _mm256_loadu_ps(reinterpret_cast<const float*>(c) + 8)};
+            for (int i = 0; i < 4; ++i) {
+                const __m256 q0 = _mm256_set1_ps(Dt::load(qr[i][g]));
+                for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_fmadd_ps(q0, k0[h], acc[i][h]);
+            }
+        }
+    }
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < nr; ++i)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(scores + (r0 + i) * len + 8 * h, _mm256_mul_ps(acc[i][h], scale8));
+#else
+    float a[4][16] = {};
     for (int64_t g = 0; g < head_dim / G; ++g) {
         const T* c = cells + g * block_size * G;
         float k0[16], k1[16];
@@ -145,7 +181,75 @@ inline void scores_tile16(QRow q_row, int64_t r0, int64_t nr, const typename Dt:
     }
     for (int64_t i = 0; i < nr; ++i)
         for (int t = 0; t < 16; ++t) scores[(r0 + i) * len + t] = a[i][t] * scale;
+#endif
 }
+
+#if defined(KVFLOW_REF_AVX2)
+constexpr int64_t kPvKeys = 16;  // keys whose V rows pv_avx2 widens at once (16 x head_dim floats)
+constexpr int64_t kPvDims = 64;  // dims a row's sums hold in registers (8 of the 16)
+constexpr int64_t kPvMaxHeadDim = 256;  // the attention kernels' limit (paged_attention.cpp)
+
+// attend_rows' p.V on 8 lanes, the same chains: for each row and dim, keys in order (bf16: pairs,
+// the odd key's product first; a row's last odd key after a 0 * 0), as FMAs, which round as the
+// scalar products-then-sums do because every product is exact. Keys go in chunks of kPvKeys
+// whose V rows are widened to float32 once (bf16), and each row's sums stay in registers over a
+// chunk, 64 dims at a time: the scalar loop loaded, converted and stored every sum for every key.
+template <typename Dt>
+inline void pv_avx2(const float* scores, int64_t ld, int64_t rows, int64_t group, const int64_t* lens,
+                    const typename Dt::T* const* vrows, int64_t len, int64_t head_dim, float* acc) {
+    constexpr bool kBF16 = std::is_same_v<Dt, BF16>;
+    alignas(32) float wide[kBF16 ? kPvKeys * kPvMaxHeadDim : 1];
+    for (int64_t c0 = 0; c0 < len; c0 += kPvKeys) {
+        const int64_t c1 = std::min(len, c0 + kPvKeys);
+        const float* vf[kPvKeys];  // key c0 + i's V row as float32
+        for (int64_t t = c0; t < c1; ++t) {
+            if constexpr (kBF16) {
+                float* dst = wide + (t - c0) * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 8) {
+                    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrows[t] + d));
+                    _mm256_store_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+                }
+                vf[t - c0] = dst;
+            } else {
+                vf[t - c0] = vrows[t];
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t end = std::min(c1, lens[r / group]);  // this row's keys in the chunk
+            if (end <= c0) continue;
+            const float* p = scores + r * ld;
+            for (int64_t d0 = 0; d0 < head_dim; d0 += kPvDims) {
+                with_block_rows<kPvDims / 8>(std::min(kPvDims, head_dim - d0) / 8, [&](auto vectors) {
+                    constexpr int NV = decltype(vectors)::value;
+                    float* a = acc + r * head_dim + d0;
+                    __m256 sums[NV];
+                    for (int j = 0; j < NV; ++j) sums[j] = _mm256_loadu_ps(a + 8 * j);
+                    if constexpr (kBF16) {
+                        for (int64_t t = c0; t < end; t += 2) {
+                            const bool pair = t + 1 < end;  // else the row's last key, after a zero key
+                            const float* v0 = vf[t - c0] + d0;
+                            const float* v1 = pair ? vf[t + 1 - c0] + d0 : v0;
+                            const __m256 p1 = _mm256_set1_ps(pair ? p[t + 1] : 0.f), p0 = _mm256_set1_ps(p[t]);
+                            const __m256 keep = pair ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : _mm256_setzero_ps();
+                            for (int j = 0; j < NV; ++j) {
+                                sums[j] = _mm256_fmadd_ps(p1, _mm256_and_ps(_mm256_load_ps(v1 + 8 * j), keep), sums[j]);
+                                sums[j] = _mm256_fmadd_ps(p0, _mm256_load_ps(v0 + 8 * j), sums[j]);
+                            }
+                        }
+                    } else {
+                        for (int64_t t = c0; t < end; ++t) {
+                            const float* v0 = vf[t - c0] + d0;
+                            const __m256 p0 = _mm256_set1_ps(p[t]);
+                            for (int j = 0; j < NV; ++j) sums[j] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * j), sums[j]);
+                        }
+                    }
+                    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(a + 8 * j, sums[j]);
+                });
+            }
+        }
+    }
+}
+#endif
 
 // The query rows of one KV head at `positions` consecutive positions of one sequence (prefill
 // passes up to kRefPositions, decode one): row r = (position r / group, head r % group) is
@@ -236,6 +340,11 @@ void attend_rows(const typename Dt::T* q, int64_t q_stride, int64_t positions, i
     for (int64_t t = 0; t < len; ++t)
         vrows[t] = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t i = 0; i < rows * head_dim; ++i) acc[i] = 0.f;
+#if defined(KVFLOW_REF_AVX2)
+    if (head_dim % 8 == 0 && head_dim <= kPvMaxHeadDim) {
+        pv_avx2<Dt>(scores, ld, rows, group, lens, vrows, len, head_dim, acc);
+    } else
+#endif
     for (int64_t t = 0; t < len; t += kBF16 ? 2 : 1) {
         const T* v0 = vrows[t];
         const T* v1 = kBF16 && t + 1 < len ? vrows[t + 1] : v0;

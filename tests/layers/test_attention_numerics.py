@@ -111,6 +111,37 @@ def test_decode_and_prefill_rows_are_bitwise_equal(impl, dtype, block_size, num_
         assert torch.equal(chunked, reference), f"prefill in chunks of {size} differs from one chunk"
 
 
+@pytest.mark.parametrize("case", ["q.k", "p.V"])
+@pytest.mark.parametrize("path", ["portable", "avx512"])
+def test_bf16_pairs_add_the_odd_product_first(kernels, case, path):
+    """The one bf16 rule that rounding to bf16 usually hides, made visible: in each dim pair (q.k)
+    and key pair (p.V) the odd product is added before the even one, as vdpbf16ps does. Exact
+    products of 1, then +2^24 and -2^24: odd first, 1 + 2^24 rounds to 2^24 and the pair
+    cancels to 0; the other order leaves 1 (a score of 1 instead of 0; a sum of 1 instead of 0)."""
+    if path == "avx512" and not kernels.avx512_bf16:
+        from kvflow.layers import cpu_kernels
+        kernels = cpu_kernels.load_emulated_avx512()
+    keys, head_dim, block_size, big = 32, 64, 16, 2.0**12
+    q = torch.zeros(1, 1, head_dim)
+    k = torch.zeros(keys, 1, head_dim)
+    v = torch.zeros(keys, 1, head_dim)
+    if case == "q.k":  # even keys: 1*1, then in dims (2, 3) -big*big and big*big: odd first, a score of 0
+        q[0, 0, 1], q[0, 0, 2], q[0, 0, 3] = 1.0, big, big
+        k[0::2, 0, 1], k[0::2, 0, 2], k[0::2, 0, 3] = 1.0, -big, big
+        v[0::2, 0, 5] = 1.0  # out[5]: the even keys' weight, 1/2 when every score is 0
+        expected = {5: 0.5}
+    else:  # every score 0, so p = 1 for each key; dim 0 sums 1 (key 1), then -2^24 (key 2) and 2^24 (key 3)
+        v[1, 0, 0], v[2, 0, 0], v[3, 0, 0] = 1.0, -(big**2), big**2
+        expected = {0: 0.0}
+    key_cache = torch.zeros(keys // block_size, block_size, 1, head_dim, dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    kernels.write_kv(k.bfloat16(), v.bfloat16(), key_cache, value_cache, torch.arange(keys))
+    out = kernels.paged_decode_attention(q.bfloat16(), key_cache, value_cache, torch.arange(keys // block_size)[None],
+                                         torch.tensor([keys]), 1.0, portable=path == "portable")
+    for d, value in expected.items():
+        assert out[0, 0, d].item() == value, (case, path, out[0, 0, d].item())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_backend_gives_a_row_the_same_bits_in_any_step(kernels, dtype):
     """Through the attention backend as the runner calls it: a sequence's last prompt token as

@@ -48,7 +48,6 @@ inline float exp_ref(float x) {
     return std::ldexp(p, static_cast<int>(n));
 }
 
-
 // float -> bf16 as vcvtneps2bf16: round to nearest even, denormal inputs read as (signed) zero.
 inline uint16_t to_bf16_daz(float x) {
     if (std::fabs(x) < FLT_MIN) x = std::signbit(x) ? -0.f : 0.f;
@@ -65,7 +64,6 @@ inline float reduce16(const float* lane) {
 
 // The scores' row stride for rows of `len` keys: whole tiles of 16, which scores_tile16 writes.
 inline int64_t score_stride(int64_t len) { return (len + 15) / 16 * 16; }
-
 
 // scores[r, 0:16] = scale * q[r] . k for up to four query rows and one tile of 16 keys whose
 // dim group g lies at cells + g * block_size * G: the accumulators stay in registers across
@@ -110,7 +108,6 @@ inline void scores_tile16(QRow q_row, int64_t r0, int64_t nr, const typename Dt:
         for (int t = 0; t < 16; ++t) scores[(r0 + i) * len + t] = a[i][t] * scale;
 #endif
 }
-
 
 // The query rows of one KV head at `positions` consecutive positions of one sequence (prefill
 // passes up to kRefPositions, decode one): row r = (position r / group, head r % group) is

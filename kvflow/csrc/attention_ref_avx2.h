@@ -20,8 +20,7 @@ namespace kvflow::ref {
 // ldexp's result: the clamp keeps n >= -144, where 2^n is a float (denormal below -126) and one
 // multiplication rounds p * 2^n once, as ldexp does. Softmax spends most of its time here; the
 // scalar form with its libm calls made the portable attention paths exp-bound (W-offline on an
-// AVX2 CPU: 40 % of decode steps). Compiled in the SIMDe build too, whose AVX-512 kernels
-// (exp512) the tests compare it with.
+// AVX2 CPU: 40 % of decode steps). common.h's exp512 is the same on 16 lanes.
 inline __m256 exp_ref8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-100.f)), _mm256_set1_ps(88.f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

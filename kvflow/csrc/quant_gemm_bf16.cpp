@@ -45,6 +45,7 @@ namespace {
 
 using kvflow::kNT;
 using kvflow::kTileCols;
+using kvflow::quant_tile_bytes;
 using Weight = kvflow::QuantTileWeight;
 
 // The value of element e (column e / 2, input 2p + e % 2) of k-pair step p in a row-major
@@ -54,8 +55,6 @@ inline int row_value(int bits, const uint8_t* q, int64_t k, int64_t col, int64_t
     const uint8_t byte = q[col * (k / 2) + (i / 32) * 16 + (i % 16)];
     return (i % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
 }
-
-inline int64_t tile_bytes(int bits, int64_t k) { return kvflow::quant_tile_bytes(bits, k); }
 
 #if defined(KVFLOW_AVX512BF16)
 // How far ahead in the quant stream to ask for it, into L2: measured at one row, single thread,
@@ -213,7 +212,7 @@ inline void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const float*
 template <typename Out, int Bits, bool Offsets>
 int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                     const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
-    const int64_t groups = w.groups(), tile_stride = w.k * kTileCols, bytes = tile_bytes(Bits, w.k);
+    const int64_t groups = w.groups(), tile_stride = w.k * kTileCols, bytes = quant_tile_bytes(Bits, w.k);
     std::unique_ptr<float[]> xsums(Offsets ? new (std::nothrow) float[static_cast<size_t>(m * groups)] : nullptr);
     if (Offsets && !xsums) return -4;  // OUT_OF_MEMORY in layers/cpu_kernels.py
     int failed = 0;
@@ -312,7 +311,7 @@ int kvflow_has_quant_gemm_bf16() {
 
 // Bytes of the packed quants: ceil(N / 16) tiles of 16 x K values.
 int64_t kvflow_quant_tiles_bytes(int bits, int64_t n, int64_t k) {
-    return (n + kTileCols - 1) / kTileCols * tile_bytes(bits, k);
+    return (n + kTileCols - 1) / kTileCols * quant_tile_bytes(bits, k);
 }
 
 // Row-major QuantizedWeight (q [N][K] int8 or [N][K/2] GGUF-order nibbles, scales/offsets
@@ -327,7 +326,7 @@ int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, con
     const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / group;
 #pragma omp parallel for
     for (int64_t tile = 0; tile < tiles; ++tile) {
-        uint8_t* dst = q_out + tile * tile_bytes(bits, k);
+        uint8_t* dst = q_out + tile * quant_tile_bytes(bits, k);
         auto value = [&](int64_t p, int64_t e) {  // element e of k-pair step p
             const int64_t col = tile * kTileCols + e / 2, i = 2 * p + e % 2;
             return col < n ? row_value(bits, q, k, col, i) : 0;

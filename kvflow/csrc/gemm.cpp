@@ -22,6 +22,7 @@
 
 #include <omp.h>
 
+#include "gemm_amx.h"
 #include "gemm_avx2.h"
 #include "gemm_blocking.h"
 #include "kernels.h"
@@ -47,6 +48,12 @@ void pack_weight(const T* w, int64_t n, int64_t k, T* packed) {
                     dst[(g * kTileCols + lane) * KGroup + e] = col < n ? w[col * k + KGroup * g + e] : T(0);
             }
     }
+}
+
+// Whether bf16 GEMMs run on AMX tiles (gemm_amx.h); set by kvflow_set_amx.
+bool& use_amx() {
+    static bool on = false;
+    return on;
 }
 
 #if defined(KVFLOW_AVX512F)
@@ -181,6 +188,9 @@ int kvflow_has_gemm_f32() { return 0; }
 
 int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+#if defined(KVFLOW_AMX)
+    if (use_amx() && k % 32 == 0) return kvflow::gemm_amx_bf16(x, m, k, x_stride, packed, n, bias, y, y_stride);
+#endif
 #if defined(KVFLOW_AVX512BF16)
     return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #elif defined(KVFLOW_AVX2_GEMM)
@@ -201,6 +211,18 @@ int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;
 #endif
+}
+
+// Whether bf16 GEMMs with K a multiple of 32 run on AMX tiles (gemm_amx.h: other bits than the
+// AVX-512 blocks, batch-invariant all the same). Returns the setting in force: 0 where the
+// library was built without AMX or the kernel does not grant the tiles.
+int kvflow_set_amx(int on) {
+#if defined(KVFLOW_AMX)
+    use_amx() = on != 0 && kvflow::amx_permitted();
+#else
+    (void)on;
+#endif
+    return use_amx() ? 1 : 0;
 }
 
 // Which block runs the bf16 products (dpbf16.h): 0 vdpbf16ps, 1 float32 FMAs; the same bits

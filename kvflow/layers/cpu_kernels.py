@@ -72,6 +72,22 @@ class CPUKernels:
         self.lib.kvflow_time_bf16_dot.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         self.bf16_dot = ""  # "dpbf16" or "fma": set just below
         self.set_bf16_dot(os.environ.get("KVFLOW_BF16_DOT", "auto"))
+        self.lib.kvflow_set_amx.argtypes = [ctypes.c_int]
+        self.amx = False  # set just below
+        self.set_amx(os.environ.get("KVFLOW_AMX", "auto"))
+
+    def set_amx(self, choice: str) -> bool:
+        """Whether bf16 GEMMs run on AMX tiles (csrc/gemm_amx.h), several times the AVX-512 rate
+        where the CPU has them: "auto" (where the CPU and kernel grant the tiles), "on" (an error
+        where they do not) or "off". Its sums round differently from the AVX-512 blocks', so a
+        process keeps one setting: bf16 outputs are batch-invariant under either, not equal across
+        them. Returns the setting in force."""
+        if choice not in ("auto", "on", "off"):
+            raise ValueError(f"KVFLOW_AMX: expected auto, on or off, got {choice!r}")
+        self.amx = bool(self.lib.kvflow_set_amx(int(choice != "off")))
+        if choice == "on" and not self.amx:
+            raise RuntimeError("KVFLOW_AMX=on: this CPU, its kernel or this build offers no AMX bf16 tiles")
+        return self.amx
 
     def set_bf16_dot(self, choice: str) -> str:
         """What multiplies bf16 in the GEMM and prefill-attention blocks of 4+ rows: "dpbf16"

@@ -9,7 +9,9 @@ the AVX2 + FMA blocks of csrc/gemm_avx2.h elsewhere):
   - batch invariance: each row is bitwise the row computed alone, or in any sub-batch;
   - strided rows and a non-contiguous bias give the contiguous result;
   - bad shapes and mixed dtypes raise ValueError rather than reading out of bounds;
-  - the AVX2 blocks give the AVX-512 kernels' bits (against the SIMDe-emulated build).
+  - the AVX2 blocks give the AVX-512 kernels' bits (against the SIMDe-emulated build);
+  - all of the above again for bf16 on AMX tiles (csrc/gemm_amx.h) where the CPU has them, whose
+    bits differ from the vector blocks' but are just as batch- and thread-count-invariant.
 """
 
 from __future__ import annotations
@@ -25,11 +27,21 @@ from tests.layers.test_bf16_dot import with_denormals
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
-@pytest.fixture
-def gemm(kernels, dtype):
+@pytest.fixture(params=["vector", "amx"])
+def gemm(kernels, dtype, request):
+    """The kernels with the bf16 GEMM on the vector blocks, then on AMX tiles where there are any."""
     if not kernels.has_gemm(dtype):
         pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} GEMM")
-    return kernels
+    before = kernels.amx
+    if request.param == "amx":
+        if dtype != torch.bfloat16:
+            pytest.skip("AMX tiles run the bf16 GEMM only")
+        if not kernels.set_amx("auto"):
+            pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
+    else:
+        kernels.set_amx("off")
+    yield kernels
+    kernels.set_amx("auto" if before else "off")
 
 
 def randn(*shape, dtype, generator=None):
@@ -187,3 +199,58 @@ def test_avx2_blocks_give_the_avx512_bits(gemm, dtype, with_bias):
             expected = avx512.gemm(x, avx512.pack_weight(w), n, bias)
             assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (m, n, k)
+
+
+@DTYPES
+def test_gemm_does_not_depend_on_the_thread_count(gemm, dtype):
+    """A column chunk is one thread's work, summed in one order: 1 thread and 2 give the same bits."""
+    torch.manual_seed(4)
+    m, n, k = 40, 200, 576
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / math.sqrt(k)
+    packed = gemm.pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.gemm(x, packed, n)
+        torch.set_num_threads(2)
+        two = gemm.gemm(x, packed, n)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_amx_runs_only_whole_k_tiles(kernels):
+    """K not a multiple of 32 runs the vector blocks even with AMX on (a per-layer choice, never per
+    batch). Rows of (2^24, 1, -2^24, 1, ...) against a weight of ones tell the two apart: vdpbf16ps's
+    chain of FMAs loses every 1 next to 2^24 (sum 0), the tile unit keeps them (K/2)."""
+    before = kernels.amx
+    if not kernels.set_amx("auto"):
+        pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
+    try:
+        sums = {}
+        for k in (48, 64):
+            x = torch.ones(3, k)
+            x[:, 0::4], x[:, 2::4] = 2.0**24, -(2.0**24)
+            packed = kernels.pack_weight(torch.ones(16, k, dtype=torch.bfloat16))
+            for mode in ("on", "off"):
+                kernels.set_amx(mode)
+                sums[k, mode] = kernels.gemm(x.to(torch.bfloat16), packed, 16).float().unique().tolist()
+        assert sums[48, "on"] == sums[48, "off"] == [0.0]
+        assert sums[64, "off"] == [0.0] and sums[64, "on"] == [32.0], sums
+    finally:
+        kernels.set_amx("auto" if before else "off")
+
+
+def test_amx_choice_is_checked(kernels):
+    before = kernels.amx
+    try:
+        with pytest.raises(ValueError, match="KVFLOW_AMX"):
+            kernels.set_amx("yes")
+        assert kernels.set_amx("off") is False
+        if kernels.set_amx("auto"):
+            assert kernels.set_amx("on") is True
+        else:
+            with pytest.raises(RuntimeError, match="no AMX"):
+                kernels.set_amx("on")
+    finally:
+        kernels.set_amx("auto" if before else "off")

@@ -50,12 +50,6 @@ void pack_weight(const T* w, int64_t n, int64_t k, T* packed) {
     }
 }
 
-// Whether bf16 GEMMs run on AMX tiles (gemm_amx.h); set by kvflow_set_amx.
-bool& use_amx() {
-    static bool on = false;
-    return on;
-}
-
 #if defined(KVFLOW_AVX512F)
 // y = x @ W^T (+ bias) for a weight packed by pack_weight<T, Micro<Dt>::G>.
 template <typename Dt>
@@ -189,7 +183,7 @@ int kvflow_has_gemm_f32() { return 0; }
 int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
 #if defined(KVFLOW_AMX)
-    if (use_amx() && k % 32 == 0) return kvflow::gemm_amx_bf16(x, m, k, x_stride, packed, n, bias, y, y_stride);
+    if (kvflow::amx_enabled() && k % 32 == 0) return kvflow::gemm_amx_bf16(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #endif
 #if defined(KVFLOW_AVX512BF16)
     return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
@@ -218,11 +212,12 @@ int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
 // library was built without AMX or the kernel does not grant the tiles.
 int kvflow_set_amx(int on) {
 #if defined(KVFLOW_AMX)
-    use_amx() = on != 0 && kvflow::amx_permitted();
+    kvflow::amx_enabled() = on != 0 && kvflow::amx_permitted();
+    return kvflow::amx_enabled() ? 1 : 0;
 #else
     (void)on;
+    return 0;
 #endif
-    return use_amx() ? 1 : 0;
 }
 
 // Which block runs the bf16 products (dpbf16.h): 0 vdpbf16ps, 1 float32 FMAs; the same bits

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 
@@ -47,29 +48,46 @@ inline bool amx_permitted() {
     return permitted;
 }
 
-// Tiles 0-3: float32 sums (row block m, column tile j at 2m + j); 4-5: x; 6-7: W. All 16 rows
-// of 64 bytes.
-inline void configure_tiles() {
+// Whether bf16 GEMMs, plain and quantized, run on the tiles: kvflow_set_amx (gemm.cpp) sets it.
+inline bool& amx_enabled() {
+    static bool on = false;
+    return on;
+}
+
+// Tiles 0-3: float32 sums (row tile i, column tile j at 2i + j); 4-5: x; 6-7: W. Rows of 64
+// bytes; x and sum tiles hold `rows` rows (fewer than 16 for a decode step's few rows: the tile
+// unit and the loads then do that much less work, where a padded tile took 14 % longer per bf16
+// step and 70 % longer per int8 one at one row), W tiles always 16 k-pairs.
+inline void configure_tiles(int rows) {
     struct alignas(64) {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
     } config{};
     config.palette = 1;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = t < 6 ? rows : 16;
     _tile_loadconfig(&config);
 }
 
-// MT (1-2) tiles of 16 rows of x against NT (1-2) column tiles of W, over all K: sums[2m + j].
+// MT (1-2) tiles of 16 rows of x against NT (1-2) column tiles of W (bf16 tiles [K/2][16][2],
+// `tile_stride` elements apart), over k tiles [kt0, kt1) of 32: sums[2i + j]. `stream`: W comes
+// from memory, asked for kPrefetchTiles ahead (the vector GEMM's 4 KiB), one hint per line.
+constexpr int64_t kPrefetchTiles = 4;
+
 template <int MT, int NT>
 inline void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const uint16_t* tile0,
-                      int64_t tile_stride, int64_t k_tiles, float (*sums)[16][16]) {
+                      int64_t tile_stride, int64_t kt0, int64_t kt1, float (*sums)[16][16], bool stream) {
     _tile_zero(0);
     if constexpr (NT == 2) _tile_zero(1);
     if constexpr (MT == 2) _tile_zero(2);
     if constexpr (MT == 2 && NT == 2) _tile_zero(3);
     const int64_t a_bytes = a_stride * 2;
-    for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    for (int64_t kt = kt0; kt < kt1; ++kt) {
+        if (stream)
+            for (int j = 0; j < NT; ++j)
+                for (int line = 0; line < 16; ++line)
+                    _mm_prefetch(reinterpret_cast<const char*>(tile0 + j * tile_stride + (kt + kPrefetchTiles) * 512 + line * 32),
+                                 _MM_HINT_T0);
         _tile_loadd(6, tile0 + kt * 512, 64);
         if constexpr (NT == 2) _tile_loadd(7, tile0 + tile_stride + kt * 512, 64);
         _tile_loadd(4, a0 + kt * 32, a_bytes);
@@ -87,27 +105,71 @@ inline void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, 
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, sums[3], 64);
 }
 
+// The rows of x as A tiles: fewer than 16 rows are one tile of that many rows (tile_rows);
+// otherwise whole tiles of 16 rows are read in place and the rows after the last one from a
+// zero-padded copy (so no tile load reads past x), made once per call and read by every thread.
+struct AmxRows {
+    const uint16_t* x;
+    int64_t x_stride, k, whole;
+    int tile_rows;
+    uint16_t* tail;
+
+    // Returns 0, or -4 out of memory.
+    int init(const uint16_t* rows, int64_t m, int64_t row_k, int64_t stride) {
+        x = rows, x_stride = stride, k = row_k, tail = nullptr;
+        tile_rows = m < 16 ? static_cast<int>(m) : 16;
+        whole = m < 16 ? m : m / 16 * 16;
+        if (whole == m) return 0;
+        tail = reinterpret_cast<uint16_t*>(scratch_floats<3>(8 * k));
+        if (tail == nullptr) return -4;
+        std::memset(tail, 0, 16 * k * sizeof(uint16_t));
+        for (int64_t r = whole; r < m; ++r) std::memcpy(tail + (r - whole) * k, x + r * x_stride, k * sizeof(uint16_t));
+        return 0;
+    }
+    const uint16_t* at(int64_t r) const { return r < whole ? x + r * x_stride : tail; }
+    int64_t stride(int64_t r) const { return r < whole ? x_stride : k; }
+
+    // sums for rows [r, r + rows) (rows <= 32: one or two row tiles) against one or two column
+    // tiles, over k tiles [kt0, kt1).
+    void block(int64_t r, int64_t rows, bool two_tiles, const uint16_t* tile0, int64_t tile_stride, int64_t kt0,
+               int64_t kt1, float (*sums)[16][16], bool stream = false) const {
+        auto run = [&](auto mt, auto nt, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, float(*out)[16][16]) {
+            amx_block<decltype(mt)::value, decltype(nt)::value>(a0, a1, a_stride, tile0, tile_stride, kt0, kt1, out,
+                                                                stream);
+        };
+        using One = std::integral_constant<int, 1>;
+        using Two = std::integral_constant<int, 2>;
+        const uint16_t* a0 = at(r);
+        if (rows <= 16 || stride(r) != stride(r + 16)) {  // one row tile, or x then the tail: one at a time
+            two_tiles ? run(One{}, Two{}, a0, nullptr, stride(r), sums) : run(One{}, One{}, a0, nullptr, stride(r), sums);
+            if (rows > 16) {
+                const uint16_t* a1 = at(r + 16);
+                two_tiles ? run(One{}, Two{}, a1, nullptr, stride(r + 16), sums + 2)
+                          : run(One{}, One{}, a1, nullptr, stride(r + 16), sums + 2);
+            }
+        } else {
+            two_tiles ? run(Two{}, Two{}, a0, at(r + 16), stride(r), sums)
+                      : run(Two{}, One{}, a0, at(r + 16), stride(r), sums);
+        }
+    }
+};
+
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
 // y = x @ W^T (+ bias) in bf16 for a weight packed by gemm.cpp's pack_weight<uint16_t, 2>.
 // Returns 0, -1 when K is not a multiple of 32, -4 out of memory.
 inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                          const uint16_t* bias, uint16_t* y, int64_t y_stride) {
     if (k % 32 != 0) return -1;
-    // Rows past the last whole tile of 16, zero-padded to one tile (read by every thread).
-    const int64_t whole = m / 16 * 16;
-    uint16_t* tail = nullptr;
-    if (whole < m) {
-        tail = reinterpret_cast<uint16_t*>(scratch_floats<3>(8 * k));
-        if (tail == nullptr) return -4;
-        std::memset(tail, 0, 16 * k * sizeof(uint16_t));
-        for (int64_t r = whole; r < m; ++r) std::memcpy(tail + (r - whole) * k, x + r * x_stride, k * sizeof(uint16_t));
-    }
-    auto rows_at = [&](int64_t r) { return r < whole ? x + r * x_stride : tail; };
-    auto stride_at = [&](int64_t r) { return r < whole ? x_stride : k; };
+    AmxRows a;
+    if (a.init(x, m, k, x_stride) != 0) return -4;
     const int64_t tile_stride = k * kTileCols, k_tiles = k / 32;
     const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
 #pragma omp parallel
     {
-        configure_tiles();
+        configure_tiles(a.tile_rows);
         alignas(64) float sums[4][16][16];
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; ++c) {
@@ -116,34 +178,14 @@ inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
             const uint16_t* tile0 = packed + (n0 / kTileCols) * tile_stride;
             for (int64_t r = 0; r < m; r += 32) {
                 const int64_t rows = std::min<int64_t>(32, m - r);
-                // Both row tiles share one stride unless the second is the padded tail.
-                const uint16_t* a0 = rows_at(r);
-                const uint16_t* a1 = rows > 16 ? rows_at(r + 16) : nullptr;
-                if (rows > 16 && stride_at(r) != stride_at(r + 16)) {
-                    // x then the tail: run them as two single-tile blocks.
-                    if (two_tiles) {
-                        amx_block<1, 2>(a0, nullptr, stride_at(r), tile0, tile_stride, k_tiles, sums);
-                        amx_block<1, 2>(a1, nullptr, stride_at(r + 16), tile0, tile_stride, k_tiles, sums + 2);
-                    } else {
-                        amx_block<1, 1>(a0, nullptr, stride_at(r), tile0, tile_stride, k_tiles, sums);
-                        amx_block<1, 1>(a1, nullptr, stride_at(r + 16), tile0, tile_stride, k_tiles, sums + 2);
-                    }
-                } else if (rows > 16) {
-                    if (two_tiles) amx_block<2, 2>(a0, a1, stride_at(r), tile0, tile_stride, k_tiles, sums);
-                    else amx_block<2, 1>(a0, a1, stride_at(r), tile0, tile_stride, k_tiles, sums);
-                } else {
-                    if (two_tiles) amx_block<1, 2>(a0, nullptr, stride_at(r), tile0, tile_stride, k_tiles, sums);
-                    else amx_block<1, 1>(a0, nullptr, stride_at(r), tile0, tile_stride, k_tiles, sums);
-                }
+                a.block(r, rows, two_tiles, tile0, tile_stride, 0, k_tiles, sums, /*stream=*/r == 0);
                 // + bias, rounded to bf16 (nearest even), masked at N.
                 for (int64_t i = 0; i < rows; ++i)
                     for (int j = 0; j < (two_tiles ? 2 : 1); ++j) {
                         const int64_t col = n0 + j * kTileCols;
                         const __mmask16 mask = tail_mask(n - col);
                         __m512 acc = _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]);
-                        if (bias != nullptr)
-                            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + col)), 16)));
+                        if (bias != nullptr) acc = _mm512_add_ps(acc, load_bf16x16(bias + col, mask));
                         _mm256_mask_storeu_epi16(y + (r + i) * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
                     }
             }

@@ -39,7 +39,9 @@
 #include <new>
 
 #include "gemm_blocking.h"
+#include "quant_gemm_amx.h"
 #include "quant_gemm_avx2.h"
+#include "quant_unpack.h"
 
 namespace {
 
@@ -57,45 +59,16 @@ inline int row_value(int bits, const uint8_t* q, int64_t k, int64_t col, int64_t
 }
 
 #if defined(KVFLOW_AVX512BF16)
-// How far ahead in the quant stream to ask for it, into L2: measured at one row, single thread,
-// 4-bit 3072 x 576 streamed from memory: 4 KiB into L1 (the bf16 GEMM's setting) 83-120 us,
-// 8-32 KiB into L2 54-75 us (the bandwidth the bf16 GEMM gets). A quantized block is more work
-// per byte than a bf16 step, so fewer lines are in flight without the hint.
-constexpr int64_t kPrefetchBytes = 16384;
+using kvflow::group_sum;
+using kvflow::kPrefetchBytes;
+using kvflow::store_tile;
+using kvflow::Unpack;
+
 constexpr int64_t kRegisterRows = 8;  // rows per block that unpack the quants in registers
 // Up to this many rows, blocks of kRegisterRows unpack the chunk's quants again (from L1) rather
 // than one unpacked tile being stored and read back: in cache, single thread, 512 x 576, int4
 // M=16 29.8 -> 25.9 us, M=32 55.5 -> 50.1 us; from 64 rows on the two are even.
 constexpr int64_t kUnpackedRows = 32;
-
-// Two k-pair steps (2b, 2b + 1) of one tile as vdpbf16ps operands; kBytes of quants.
-template <int Bits>
-struct Unpack;
-
-template <>
-struct Unpack<4> {
-    static constexpr int64_t kBytes = 32;
-    static inline void block(const uint8_t* src, __m512i& even, __m512i& odd) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-        const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
-        even = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x000F), bf16_128, 0xEA);  // (a & b) | c
-        odd = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
-    }
-};
-
-template <>
-struct Unpack<8> {
-    static constexpr int64_t kBytes = 64;
-    static inline __m512i step(const __m128i* src) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
-        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128; lo's 16 values first
-    }
-    static inline void block(const uint8_t* src, __m512i& even, __m512i& odd) {
-        even = step(reinterpret_cast<const __m128i*>(src));
-        odd = step(reinterpret_cast<const __m128i*>(src + 32));
-    }
-};
 
 // Where a block's operands come from: the packed quants (decode rows) ...
 template <int Bits>
@@ -128,28 +101,6 @@ struct StoredTile {
         odd = _mm512_loadu_si512(src + 32);
     }
 };
-
-template <int Bits>
-void store_tile(const uint8_t* q, int64_t k, uint16_t* out) {
-    for (int64_t b = 0; b < k / 4; ++b) {
-        __m512i even, odd;
-        if (Bits == 8 || (b & 1) == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(q + b * Unpack<Bits>::kBytes + kPrefetchBytes), _MM_HINT_T1);
-        Unpack<Bits>::block(q + b * Unpack<Bits>::kBytes, even, odd);
-        _mm512_storeu_si512(out + b * 64, even);
-        _mm512_storeu_si512(out + b * 64 + 32, odd);
-    }
-}
-
-// X[m, g]: a group's inputs summed in float32, one fixed order for every caller.
-inline float group_sum(const uint16_t* x, int64_t group) {
-    __m512 v = _mm512_setzero_ps();
-    for (int64_t i = 0; i < group; i += 16) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(kvflow::tail_mask(group - i), x + i));
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-    }
-    return kvflow::reduce_add16(v);  // gcc's order for _mm512_reduce_add_ps, on every compiler
-}
 
 // MT rows x NT tiles. `out` accumulates across groups in memory (L1), so that the group's
 // MT x NT vdpbf16ps accumulators keep the registers (12 x 2 at prefill sizes).
@@ -283,6 +234,10 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
     auto run = [&](auto bits, auto offsets) {
         constexpr int Bits = decltype(bits)::value;
         constexpr bool Offsets = decltype(offsets)::value;
+#if defined(KVFLOW_AMX)
+        if (kvflow::amx_enabled() && w.group % 32 == 0 && w.k % 32 == 0)
+            return kvflow::quant_gemm_amx<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
+#endif
 #if defined(KVFLOW_AVX512BF16)
         return quant_gemm_bf16<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
 #else

@@ -3,7 +3,8 @@
 The tiles multiply by the dequantized weight itself (no bf16 rounding of weights), summed group
 by group in float32: each case is compared with a float64 product within float32 accumulation
 error, and a row must not depend on the rows beside it. On CPUs without AVX512-BF16 the kernels
-run in the SIMDe-emulated build (csrc/isa.h), so every CI machine checks the numerics.
+run in the SIMDe-emulated build (csrc/isa.h), so every CI machine checks the numerics. Where the
+CPU has AMX, every such test runs again on the tiles (other bits, the same bounds and invariance).
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ from kvflow.quantization.qweight import QuantizedWeight
 from tests.layers.test_bf16_dot import with_denormals
 
 
-@pytest.fixture(scope="module")
-def lib(kernels):
-    """(kernels, tile library): native where the CPU has AVX512-BF16, else the emulated build."""
-    k = kernels if kernels.avx512_bf16 else cpu_kernels.load_emulated_avx512()
-    return k, tiles._bind(k.lib)
+@pytest.fixture(scope="module", params=["vector", "amx"])
+def lib(kernels, request):
+    """(kernels, tile library): native where the CPU has AVX512-BF16, else the emulated build;
+    then the native one on AMX tiles (csrc/quant_gemm_amx.h) where the CPU has them."""
+    before = kernels.amx
+    if request.param == "amx":
+        if not kernels.set_amx("auto"):
+            pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
+        k = kernels
+    else:
+        kernels.set_amx("off")
+        k = kernels if kernels.avx512_bf16 else cpu_kernels.load_emulated_avx512()
+    yield k, tiles._bind(k.lib)
+    kernels.set_amx("auto" if before else "off")
 
 
 def _weights(n: int, k: int, seed: int) -> list[QuantizedWeight]:
@@ -70,6 +80,27 @@ def test_tiles_are_batch_invariant(lib, which):
     whole = op(x)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(3, 12), slice(3, 15), slice(2, 35), slice(10, 80)):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
+
+
+def test_amx_tiles_sum_otherwise_than_vdpbf16ps(kernels):
+    """The AMX path really runs for groups of 32: x = (2^24, 1, -2^24, 1, ...) against an int8
+    weight of ones, scale 1, sums to 0 in vdpbf16ps's FMA chain and to K/2 on the tiles."""
+    before = kernels.amx
+    if not kernels.set_amx("auto"):
+        pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
+    try:
+        k = 64
+        qw = QuantizedWeight(torch.ones(16, k, dtype=torch.int8), torch.ones(16, 2), None, 8, 32, k, "ones")
+        x = torch.ones(2, k)
+        x[:, 0::4], x[:, 2::4] = 2.0**24, -(2.0**24)
+        tile_lib = tiles._bind(kernels.lib)
+        op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
+        on = op(x.to(torch.bfloat16)).unique().tolist()
+        kernels.set_amx("off")
+        off = op(x.to(torch.bfloat16)).unique().tolist()
+        assert (on, off) == ([32.0], [0.0])
+    finally:
+        kernels.set_amx("auto" if before else "off")
 
 
 @pytest.mark.parametrize("out", ["float32", "bf16", "bf16+bias"])

@@ -167,27 +167,34 @@ inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
     if (a.init(x, m, k, x_stride) != 0) return -4;
     const int64_t tile_stride = k * kTileCols, k_tiles = k / 32;
     const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
+    // Rows in panels of about 1 MiB of x, each panel passing over every chunk: the same thread
+    // takes the same chunks in every panel, so its share of W stays in its L2 while the panel
+    // does too. One pass of all M rows per chunk (the order for decode sizes) ran 2,048 x 1,536
+    // x 576 at 1.3 TFLOP/s against torch's 2.2-2.5, x re-read from beyond L2 for every chunk.
+    const int64_t panel = std::max<int64_t>(32, (int64_t{1} << 20) / (2 * k) / 32 * 32);
 #pragma omp parallel
     {
         configure_tiles(a.tile_rows);
         alignas(64) float sums[4][16][16];
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t n0 = c * kTileCols * kNT;
-            const bool two_tiles = n - n0 > kTileCols;
-            const uint16_t* tile0 = packed + (n0 / kTileCols) * tile_stride;
-            for (int64_t r = 0; r < m; r += 32) {
-                const int64_t rows = std::min<int64_t>(32, m - r);
-                a.block(r, rows, two_tiles, tile0, tile_stride, 0, k_tiles, sums, /*stream=*/r == 0);
-                // + bias, rounded to bf16 (nearest even), masked at N.
-                for (int64_t i = 0; i < rows; ++i)
-                    for (int j = 0; j < (two_tiles ? 2 : 1); ++j) {
-                        const int64_t col = n0 + j * kTileCols;
-                        const __mmask16 mask = tail_mask(n - col);
-                        __m512 acc = _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]);
-                        if (bias != nullptr) acc = _mm512_add_ps(acc, load_bf16x16(bias + col, mask));
-                        _mm256_mask_storeu_epi16(y + (r + i) * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-                    }
+        for (int64_t p0 = 0; p0 < m; p0 += panel) {
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int64_t n0 = c * kTileCols * kNT;
+                const bool two_tiles = n - n0 > kTileCols;
+                const uint16_t* tile0 = packed + (n0 / kTileCols) * tile_stride;
+                for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
+                    const int64_t rows = std::min<int64_t>(32, m - r);
+                    a.block(r, rows, two_tiles, tile0, tile_stride, 0, k_tiles, sums, /*stream=*/r == 0);
+                    // + bias, rounded to bf16 (nearest even), masked at N.
+                    for (int64_t i = 0; i < rows; ++i)
+                        for (int j = 0; j < (two_tiles ? 2 : 1); ++j) {
+                            const int64_t col = n0 + j * kTileCols;
+                            const __mmask16 mask = tail_mask(n - col);
+                            __m512 acc = _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]);
+                            if (bias != nullptr) acc = _mm512_add_ps(acc, load_bf16x16(bias + col, mask));
+                            _mm256_mask_storeu_epi16(y + (r + i) * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+                        }
+                }
             }
         }
         _tile_release();

@@ -254,3 +254,17 @@ def test_amx_choice_is_checked(kernels):
                 kernels.set_amx("on")
     finally:
         kernels.set_amx("auto" if before else "off")
+
+
+@DTYPES
+def test_gemm_rows_past_a_panel_are_batch_invariant(gemm, dtype):
+    """Prefill-sized M runs in row panels on AMX (about 1 MiB of x: 320 rows at K = 1,536): rows in
+    the second and third panel, and the ragged end, are the rows computed alone."""
+    torch.manual_seed(6)
+    m, n, k = 700, 72, 1536
+    x, w = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / math.sqrt(k)
+    packed = gemm.pack_weight(w)
+    batched = gemm.gemm(x, packed, n)
+    assert_close_to_exact(batched, reference_linear(x, w, None), dtype)
+    for i in (0, 319, 320, 331, 640, 699):
+        assert torch.equal(gemm.gemm(x[i : i + 1], packed, n)[0], batched[i]), i

@@ -154,6 +154,12 @@ struct AmxRows {
     }
 };
 
+// Rows in panels of about 1 MiB of x, each panel passing over every column chunk: the same
+// thread takes the same chunks in every panel (a static schedule), so its share of W stays in
+// its L2 while the panel does too. One pass of all M rows per chunk ran 2,048 x 1,536 x 576 at
+// 1.3 TFLOP/s against torch's 2.2-2.5 (x re-read from beyond L2 for every chunk); panels 1.7-2.0.
+inline int64_t amx_panel_rows(int64_t k) { return std::max<int64_t>(32, (int64_t{1} << 20) / (2 * k) / 32 * 32); }
+
 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
@@ -167,11 +173,7 @@ inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
     if (a.init(x, m, k, x_stride) != 0) return -4;
     const int64_t tile_stride = k * kTileCols, k_tiles = k / 32;
     const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
-    // Rows in panels of about 1 MiB of x, each panel passing over every chunk: the same thread
-    // takes the same chunks in every panel, so its share of W stays in its L2 while the panel
-    // does too. One pass of all M rows per chunk (the order for decode sizes) ran 2,048 x 1,536
-    // x 576 at 1.3 TFLOP/s against torch's 2.2-2.5, x re-read from beyond L2 for every chunk.
-    const int64_t panel = std::max<int64_t>(32, (int64_t{1} << 20) / (2 * k) / 32 * 32);
+    const int64_t panel = amx_panel_rows(k);
 #pragma omp parallel
     {
         configure_tiles(a.tile_rows);

@@ -84,6 +84,7 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                    const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, tile_stride = k * kTileCols;
     const int64_t bytes = quant_tile_bytes(Bits, k), chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
+    const int64_t panel = amx_panel_rows(k);
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
     float* xsums = Offsets ? scratch_floats<4>(m * groups) : nullptr;
@@ -106,50 +107,54 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
         configure_tiles(a.tile_rows);
         alignas(64) float sums[4][16][16];
         alignas(64) float out[32][kNT * kTileCols];
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; ++c) {
-            if (m > 16 && tiles == nullptr) continue;  // out of memory: `failed` is set
-            const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
-            const int nt = n - n0 > kTileCols ? 2 : 1;
-            const float* s = w.scales + tile0 * groups * kTileCols;  // tile j, group g at (j * groups + g) * 16
-            const float* o = Offsets ? w.offsets + tile0 * groups * kTileCols : nullptr;
-            // out[i] (column tiles j0 .. j1) += group g's sums (sums[first + 2 * (i / 16) + j - j0])
-            // scaled, + offset x X[r + i, g].
-            auto add_group = [&](int64_t r, int64_t rows, int64_t g, int j0, int j1, int first) {
-                for (int j = j0; j < j1; ++j) {
-                    const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * kTileCols);
-                    const __m512 oj = Offsets ? _mm512_loadu_ps(o + (j * groups + g) * kTileCols) : _mm512_setzero_ps();
-                    for (int64_t i = 0; i < rows; ++i) {
-                        float* acc = out[i] + j * kTileCols;
-                        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(sums[first + (i / 16) * 2 + j - j0][i % 16]), sj, _mm512_load_ps(acc));
-                        if constexpr (Offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[(r + i) * groups + g]), oj, v);
-                        _mm512_store_ps(acc, v);
+        // Row panels as in gemm_amx_bf16 (each chunk unpacked again per panel: little against
+        // a panel's products); one panel at decode sizes.
+        for (int64_t p0 = 0; p0 < m; p0 += panel) {
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < chunks; ++c) {
+                if (m > 16 && tiles == nullptr) continue;  // out of memory: `failed` is set
+                const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
+                const int nt = n - n0 > kTileCols ? 2 : 1;
+                const float* s = w.scales + tile0 * groups * kTileCols;  // tile j, group g at (j * groups + g) * 16
+                const float* o = Offsets ? w.offsets + tile0 * groups * kTileCols : nullptr;
+                // out[i] (column tiles j0 .. j1) += group g's sums (sums[first + 2 * (i / 16) + j - j0])
+                // scaled, + offset x X[r + i, g].
+                auto add_group = [&](int64_t r, int64_t rows, int64_t g, int j0, int j1, int first) {
+                    for (int j = j0; j < j1; ++j) {
+                        const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * kTileCols);
+                        const __m512 oj = Offsets ? _mm512_loadu_ps(o + (j * groups + g) * kTileCols) : _mm512_setzero_ps();
+                        for (int64_t i = 0; i < rows; ++i) {
+                            float* acc = out[i] + j * kTileCols;
+                            __m512 v = _mm512_fmadd_ps(_mm512_load_ps(sums[first + (i / 16) * 2 + j - j0][i % 16]), sj, _mm512_load_ps(acc));
+                            if constexpr (Offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[(r + i) * groups + g]), oj, v);
+                            _mm512_store_ps(acc, v);
+                        }
                     }
+                };
+                auto write = [&](int64_t r, int64_t rows) {
+                    const StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
+                    for (int64_t i = 0; i < rows; ++i)
+                        for (int j = 0; j < nt; ++j) store(static_cast<int>(i), j, _mm512_load_ps(out[i] + j * kTileCols));
+                };
+                if (m <= 16) {
+                    std::memset(out, 0, sizeof(out));
+                    for (int j = 0; j < nt; ++j) {
+                        auto finish = [&](int64_t g, int sum_tile) { add_group(0, m, g, j, j + 1, sum_tile); };
+                        decode_rows_tile<Bits>(x, x_stride, w.q + (tile0 + j) * bytes, groups, tiles_per_group, sums, finish);
+                    }
+                    write(0, m);
+                    continue;
                 }
-            };
-            auto write = [&](int64_t r, int64_t rows) {
-                const StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
-                for (int64_t i = 0; i < rows; ++i)
-                    for (int j = 0; j < nt; ++j) store(static_cast<int>(i), j, _mm512_load_ps(out[i] + j * kTileCols));
-            };
-            if (m <= 16) {
-                std::memset(out, 0, sizeof(out));
-                for (int j = 0; j < nt; ++j) {
-                    auto finish = [&](int64_t g, int sum_tile) { add_group(0, m, g, j, j + 1, sum_tile); };
-                    decode_rows_tile<Bits>(x, x_stride, w.q + (tile0 + j) * bytes, groups, tiles_per_group, sums, finish);
+                for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
+                for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
+                    const int64_t rows = std::min<int64_t>(32, m - r);
+                    std::memset(out, 0, sizeof(out));
+                    for (int64_t g = 0; g < groups; ++g) {
+                        a.block(r, rows, nt == 2, tiles, tile_stride, g * tiles_per_group, (g + 1) * tiles_per_group, sums);
+                        add_group(r, rows, g, 0, nt, 0);
+                    }
+                    write(r, rows);
                 }
-                write(0, m);
-                continue;
-            }
-            for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
-            for (int64_t r = 0; r < m; r += 32) {
-                const int64_t rows = std::min<int64_t>(32, m - r);
-                std::memset(out, 0, sizeof(out));
-                for (int64_t g = 0; g < groups; ++g) {
-                    a.block(r, rows, nt == 2, tiles, tile_stride, g * tiles_per_group, (g + 1) * tiles_per_group, sums);
-                    add_group(r, rows, g, 0, nt, 0);
-                }
-                write(r, rows);
             }
         }
         _tile_release();

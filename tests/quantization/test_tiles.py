@@ -82,6 +82,19 @@ def test_tiles_are_batch_invariant(lib, which):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
 
 
+@pytest.mark.parametrize("which", [0, 3])  # int8 per channel, int4
+def test_tiles_rows_past_a_panel_are_batch_invariant(lib, which):
+    """On AMX a prefill-sized call runs in row panels (320 rows at K = 1,536): rows of the second
+    panel and the ragged end are the rows computed alone."""
+    _, tile_lib = lib
+    qw = _weights(40, 1536, seed=3)[which]
+    op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
+    x = torch.randn(400, 1536, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    whole = op(x)
+    for i in (0, 319, 320, 399):
+        assert torch.equal(op(x[i : i + 1].contiguous())[0], whole[i]), i
+
+
 def test_amx_tiles_sum_otherwise_than_vdpbf16ps(kernels):
     """The AMX path really runs for groups of 32: x = (2^24, 1, -2^24, 1, ...) against an int8
     weight of ones, scale 1, sums to 0 in vdpbf16ps's FMA chain and to K/2 on the tiles."""

@@ -71,7 +71,8 @@ inline void configure_tiles(int rows) {
 
 // MT (1-2) tiles of 16 rows of x against NT (1-2) column tiles of W (bf16 tiles [K/2][16][2],
 // `tile_stride` elements apart), over k tiles [kt0, kt1) of 32: sums[2i + j]. `stream`: W comes
-// from memory, asked for kPrefetchTiles ahead (the vector GEMM's 4 KiB), one hint per line.
+// from memory (all of K: kt0 = 0), asked for kPrefetchTiles ahead (the vector GEMM's 4 KiB), one
+// hint per line, running on into the next chunk's tiles at the end.
 constexpr int64_t kPrefetchTiles = 4;
 
 template <int MT, int NT>
@@ -83,11 +84,13 @@ inline void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, 
     if constexpr (MT == 2 && NT == 2) _tile_zero(3);
     const int64_t a_bytes = a_stride * 2;
     for (int64_t kt = kt0; kt < kt1; ++kt) {
-        if (stream)
-            for (int j = 0; j < NT; ++j)
-                for (int line = 0; line < 16; ++line)
-                    _mm_prefetch(reinterpret_cast<const char*>(tile0 + j * tile_stride + (kt + kPrefetchTiles) * 512 + line * 32),
-                                 _MM_HINT_T0);
+        if (stream)  // past the chunk's end: the same place in the next chunk's tiles (this thread's next)
+            for (int j = 0; j < NT; ++j) {
+                const int64_t ahead = kt + kPrefetchTiles;
+                const uint16_t* p = ahead < kt1 ? tile0 + j * tile_stride + ahead * 512
+                                                : tile0 + (NT + j) * tile_stride + (ahead - kt1) * 512;
+                for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + line * 32), _MM_HINT_T0);
+            }
         _tile_loadd(6, tile0 + kt * 512, 64);
         if constexpr (NT == 2) _tile_loadd(7, tile0 + tile_stride + kt * 512, 64);
         _tile_loadd(4, a0 + kt * 32, a_bytes);

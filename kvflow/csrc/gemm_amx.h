@@ -1,9 +1,9 @@
 // The bf16 GEMM on AMX tiles (Intel Xeon from Sapphire Rapids on): y[M, N] = x[M, K] @ W^T.
 //
 // One TDPBF16PS multiplies a 16 x 32 bf16 tile of x by a 32 x 16 tile of W into 16 x 16 float32
-// sums: 8,192 multiply-adds, against vdpbf16ps's 32. On the Intel Xeon measured (CPU family 6,
-// 2 vCPUs) torch's AMX matmul ran at 0.8-1.4 TFLOP/s where kvflow's AVX-512 blocks reached ~180
-// GFLOP/s: prefill there was bound by vdpbf16ps (docs/benchmarks.md).
+// sums: 8,192 multiply-adds, against vdpbf16ps's 32. On the Intel Xeon measured (CPU family 6
+// model 167, 2 vCPUs) torch's AMX matmul ran at 0.8-3.4 TFLOP/s where kvflow's AVX-512 blocks
+// reached 60-90 GFLOP/s: prefill there was bound by the vector units (docs/benchmarks.md).
 //
 // The weight needs no new layout: gemm.cpp's bf16 packing ([N/16][K/2][16][2]) is already a
 // column of B tiles, each 16 k-pairs x 16 columns x 2 = 1 KiB contiguous, rows 64 bytes apart.
@@ -13,7 +13,7 @@
 // Numerics. The tile unit does not add the products one FMA at a time as vdpbf16ps does: its
 // sums come out differently (measured: neither order of a pair, nor one rounding of the exact
 // 32-product sum), so a model run with AMX has other bf16 bits than the AVX-512 blocks give,
-// not worse ones (tests/layers/test_gemm_amx.py bounds the error). What kvflow needs is kept:
+// not worse ones (tests/layers/test_gemm.py bounds the error in both modes). What kvflow needs is kept:
 // each row of y depends only on that row of x and the weight (a tile's rows are independent),
 // every output is the same chain of K/32 instructions whatever M is, and a column chunk is one
 // thread's work, so results do not depend on the batch or the thread count. K must be a
@@ -55,9 +55,9 @@ inline bool& amx_enabled() {
 }
 
 // Tiles 0-3: float32 sums (row tile i, column tile j at 2i + j); 4-5: x; 6-7: W. Rows of 64
-// bytes; x and sum tiles hold `rows` rows (fewer than 16 for a decode step's few rows: the tile
-// unit and the loads then do that much less work, where a padded tile took 14 % longer per bf16
-// step and 70 % longer per int8 one at one row), W tiles always 16 k-pairs.
+// bytes; x and sum tiles hold `rows` rows (fewer than 16 for a decode step's few rows, so the
+// tile unit and the loads do that much less work: int8 W-latency ITL 12.9 -> 10.8 ms against
+// padded 16-row tiles, bf16 unchanged), W tiles always 16 k-pairs.
 inline void configure_tiles(int rows) {
     struct alignas(64) {
         uint8_t palette, start_row, reserved[14];

@@ -207,8 +207,9 @@ int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
 #endif
 }
 
-// Whether bf16 GEMMs with K a multiple of 32 run on AMX tiles (gemm_amx.h: other bits than the
-// AVX-512 blocks, batch-invariant all the same). Returns the setting in force: 0 where the
+// Whether bf16 GEMMs with K a multiple of 32, and quantized tiles with groups of a multiple of
+// 32, run on AMX tiles (gemm_amx.h, quant_gemm_amx.h: other bits than the vector kernels,
+// batch-invariant all the same). Returns the setting in force: 0 where the
 // library was built without AMX or the kernel does not grant the tiles.
 int kvflow_set_amx(int on) {
 #if defined(KVFLOW_AMX)

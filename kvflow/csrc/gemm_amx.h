@@ -30,6 +30,7 @@
 
 #if defined(KVFLOW_AVX512BF16) && !defined(KVFLOW_SIMDE) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define KVFLOW_AMX 1
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -43,10 +44,21 @@ namespace kvflow {
 inline bool amx_permitted() {
     static const bool permitted = [] {
         constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+        // CPUID leaf 0x1D: the tile palettes; a VM may list AMX and offer none, where the first
+        // LDTILECFG would fault.
+        unsigned max_palette = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!__builtin_cpu_supports("amx-bf16") || !__get_cpuid_count(0x1D, 0, &max_palette, &ebx, &ecx, &edx) ||
+            max_palette < 1)
+            return false;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
     }();
     return permitted;
 }
+
+// GCC's _tile_loadd is an asm statement that does not say it reads memory: after plain stores
+// that a tile load will read (a padded tail, unpacked quants), this keeps them in memory and in
+// order.
+inline void tile_operands_stored() { __asm__ __volatile__("" ::: "memory"); }
 
 // Whether bf16 GEMMs, plain and quantized, run on the tiles: kvflow_set_amx (gemm.cpp) sets it.
 inline bool& amx_enabled() {
@@ -127,6 +139,7 @@ struct AmxRows {
         if (tail == nullptr) return -4;
         std::memset(tail, 0, 16 * k * sizeof(uint16_t));
         for (int64_t r = whole; r < m; ++r) std::memcpy(tail + (r - whole) * k, x + r * x_stride, k * sizeof(uint16_t));
+        tile_operands_stored();
         return 0;
     }
     const uint16_t* at(int64_t r) const { return r < whole ? x + r * x_stride : tail; }
@@ -143,7 +156,7 @@ struct AmxRows {
         using One = std::integral_constant<int, 1>;
         using Two = std::integral_constant<int, 2>;
         const uint16_t* a0 = at(r);
-        if (rows <= 16 || stride(r) != stride(r + 16)) {  // one row tile, or x then the tail: one at a time
+        if (rows <= 16 || stride(r) != stride(r + 16)) {  // one row tile, or two of unequal strides: one at a time
             two_tiles ? run(One{}, Two{}, a0, nullptr, stride(r), sums) : run(One{}, One{}, a0, nullptr, stride(r), sums);
             if (rows > 16) {
                 const uint16_t* a1 = at(r + 16);
@@ -172,6 +185,7 @@ inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
 inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                          const uint16_t* bias, uint16_t* y, int64_t y_stride) {
     if (k % 32 != 0) return -1;
+    if (m == 0) return 0;  // (a tile of 0 rows is an invalid configuration)
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
     const int64_t tile_stride = k * kTileCols, k_tiles = k / 32;

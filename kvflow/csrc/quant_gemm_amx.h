@@ -3,10 +3,11 @@
 //     y[m, n] = sum over groups g of  s[g, n] * A[m, g, n] + o'[g, n] * X[m, g]   (+ bias)
 //
 // with each group's integer-weight dot products A from TDPBF16PS over the group's k tiles (so
-// groups of a multiple of 32 inputs; others run the vector kernel, a per-layer choice). Each
-// thread unpacks its column chunk's quants once per call into bf16 B tiles (store_tile: the
-// integers exactly), which every row block then reads from L1/L2; the scale and offset FMAs are
-// the vector kernel's, in its order. As in gemm_amx.h, the tile unit's sums round otherwise
+// groups of a multiple of 32 inputs; others run the vector kernel, a per-layer choice). The
+// quants become bf16 B tiles (the integers exactly): at 1-16 rows one k tile at a time just
+// ahead of the products (decode_rows_tile), at more a chunk at a time per row panel
+// (store_tile), which the panel's row blocks read from L1/L2. The scale and offset FMAs are the
+// vector kernel's, in its order. As in gemm_amx.h, the tile unit's sums round otherwise
 // than vdpbf16ps's chain, and a row's result depends on nothing but its own x row: batch- and
 // thread-invariant. On the Intel Xeon measured, a prefill-sized int8 or int4 call was bound by
 // vdpbf16ps as the bf16 GEMM was.
@@ -39,7 +40,10 @@ inline void decode_rows_tile(const uint16_t* x, int64_t x_stride, const uint8_t*
     constexpr int64_t kAhead = 3, kSlots = 4;
     alignas(64) uint16_t slots[kSlots][512];
     const int64_t a_bytes = x_stride * 2, k_tiles = groups * tiles_per_group;
-    auto unpack = [&](int64_t kt) { unpack_blocks<Bits>(q, kt * 8, kt * 8 + 8, slots[kt % kSlots]); };
+    auto unpack = [&](int64_t kt) {
+        unpack_blocks<Bits>(q, kt * 8, kt * 8 + 8, slots[kt % kSlots]);
+        tile_operands_stored();
+    };
     // The tile intrinsics take literal tile numbers: one body per sum tile.
 #define KVFLOW_AMX_GROUP(C, A, B)                                                      \
     [&](int64_t g) {                                                                   \
@@ -146,6 +150,7 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                     continue;
                 }
                 for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
+                tile_operands_stored();
                 for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
                     const int64_t rows = std::min<int64_t>(32, m - r);
                     std::memset(out, 0, sizeof(out));

@@ -26,7 +26,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype argument of the
 class CPUKernels:
     """Typed entry points into the compiled library."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, amx: str | None = None) -> None:
+        """`amx`: the AMX choice (`set_amx`), by default KVFLOW_AMX's (else "auto")."""
         # torch loaded its libgomp first; the library's libgomp.so.1 resolves to that same copy.
         self.lib = ctypes.CDLL(str(path))
         self.path = path
@@ -74,19 +75,20 @@ class CPUKernels:
         self.set_bf16_dot(os.environ.get("KVFLOW_BF16_DOT", "auto"))
         self.lib.kvflow_set_amx.argtypes = [ctypes.c_int]
         self.amx = False  # set just below
-        self.set_amx(os.environ.get("KVFLOW_AMX", "auto"))
+        self.set_amx(amx if amx is not None else os.environ.get("KVFLOW_AMX", "auto"))
 
     def set_amx(self, choice: str) -> bool:
         """Whether bf16 GEMMs run on AMX tiles (csrc/gemm_amx.h), several times the AVX-512 rate
         where the CPU has them: "auto" (where the CPU and kernel grant the tiles), "on" (an error
-        where they do not) or "off". Its sums round differently from the AVX-512 blocks', so a
+        where they do not: a ValueError, which `load` does not turn into a fallback) or "off".
+        Its sums round differently from the AVX-512 blocks', so a
         process keeps one setting: bf16 outputs are batch-invariant under either, not equal across
         them. Returns the setting in force."""
         if choice not in ("auto", "on", "off"):
             raise ValueError(f"KVFLOW_AMX: expected auto, on or off, got {choice!r}")
         self.amx = bool(self.lib.kvflow_set_amx(int(choice != "off")))
         if choice == "on" and not self.amx:
-            raise RuntimeError("KVFLOW_AMX=on: this CPU, its kernel or this build offers no AMX bf16 tiles")
+            raise ValueError("KVFLOW_AMX=on: this CPU, its kernel or this build offers no AMX bf16 tiles")
         return self.amx
 
     def set_bf16_dot(self, choice: str) -> str:
@@ -368,7 +370,7 @@ def load() -> CPUKernels | None:
 @functools.cache
 def load_emulated_avx512() -> CPUKernels:
     """The test-only build whose AVX-512 paths are emulated (see `build`)."""
-    return CPUKernels(build(emulate_avx512=True))
+    return CPUKernels(build(emulate_avx512=True), amx="off")  # never has tiles
 
 
 if __name__ == "__main__":

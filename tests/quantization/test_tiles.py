@@ -72,26 +72,27 @@ def test_tiles_equal_their_definition(lib, n, k, m):
 def test_tiles_are_batch_invariant(lib, which):
     """A row's output does not depend on the rows beside it: one row, the in-register decode
     rows (blocks of up to 8, up to 32 rows), 12-row and 8-row blocks of a stored tile, and a partial
-    last tile."""
+    last tile; on AMX one row tile (16), one and a half (24) and two (32)."""
     _, tile_lib = lib
     qw = _weights(104, 128, seed=1)[which]
     op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
     x = torch.randn(80, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     whole = op(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(3, 12), slice(3, 15), slice(2, 35), slice(10, 80)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(3, 12), slice(3, 15), slice(0, 16), slice(3, 27),
+                 slice(8, 40), slice(2, 35), slice(10, 80)):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
 
 
 @pytest.mark.parametrize("which", [0, 3])  # int8 per channel, int4
 def test_tiles_rows_past_a_panel_are_batch_invariant(lib, which):
     """On AMX a prefill-sized call runs in row panels (320 rows at K = 1,536): rows of the second
-    panel and the ragged end are the rows computed alone."""
+    panel and of its ragged end (405 = 25 x 16 + 5) are the rows computed alone."""
     _, tile_lib = lib
     qw = _weights(40, 1536, seed=3)[which]
     op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
-    x = torch.randn(400, 1536, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x = torch.randn(405, 1536, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     whole = op(x)
-    for i in (0, 319, 320, 399):
+    for i in (0, 319, 320, 399, 400, 404):
         assert torch.equal(op(x[i : i + 1].contiguous())[0], whole[i]), i
 
 

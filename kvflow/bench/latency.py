@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range, grounded_requests
 from kvflow.bench.metrics import Percentiles, percentiles, request_latency
 from kvflow.bench.results import numerics_label
@@ -135,10 +135,11 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
         ttft=percentiles(it.ttft_s for it in iterations), itl=percentiles(it.mean_itl_s for it in iterations),
     )
     print(result.summary())
+    print("  machine: " + machine_info().describe())
     if spec0 is not None:
         print("  " + engine.get_stats().spec_decode.since(spec0).describe())
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"kind": "latency", "result": result.to_dict(), "args": vars(args),
-                       "machine": platform.processor() or platform.machine()}, f, indent=2, default=str)
+                       "machine": asdict(machine_info())}, f, indent=2, default=str)
     return result

@@ -18,12 +18,12 @@ import asyncio
 import json
 import math
 import os
-import platform
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import parse_token_range, random_requests
 from kvflow.bench.serve_client import (RequestRecord, ServeRequest, completion_payload, first_model, httpx,
                                        send_request)
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> list[ServeRunResult]:
         report = {"kind": "serve", "base_url": args.base_url, "model": model, "plot": plot,
                   "runs": [r.to_dict() for r in results], "run_seeds": run_seeds,
                   "args": _json_safe({k: v for k, v in vars(args).items() if k not in ("api_key", "func")}),
-                  "machine": platform.processor() or platform.machine()}
+                  "machine": asdict(machine_info())}
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2, default=str)
     return results

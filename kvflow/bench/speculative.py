@@ -22,10 +22,10 @@ import argparse
 import copy
 import dataclasses
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass
 
+from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import (WORKLOAD_TOKEN_RANGE, BenchRequest, fit_token_range, grounded_requests, jsonl_requests,
                                    random_like, random_requests)
 from kvflow.bench.grounded import workload_fingerprint
@@ -191,9 +191,10 @@ def run(config, args: argparse.Namespace) -> SpecBenchResult:
         workload_fingerprint=workload_fingerprint(requests),
     )
     print(result.summary(config.speculative_config.describe()))
+    print("  machine: " + machine_info().describe())
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"kind": "speculative", "result": result.to_dict(), "args": vars(args),
                        "speculative_config": asdict(config.speculative_config),
-                       "machine": platform.processor() or platform.machine()}, f, indent=2, default=str)
+                       "machine": asdict(machine_info())}, f, indent=2, default=str)
     return result

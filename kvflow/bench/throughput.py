@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import time
 from dataclasses import asdict
 
+from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import (WORKLOAD_TOKEN_RANGE, BenchRequest, fit_token_range, grounded_requests, jsonl_requests,
                                    prefix_requests, random_like, random_requests)
 from kvflow.bench.hf_baseline import run_baseline
@@ -167,8 +167,9 @@ def run(config, args: argparse.Namespace) -> ThroughputResult:
         run_kvflow(engine, warmup, structured_output=structured)
     result = run_kvflow(engine, requests, use_tqdm=not args.no_progress, structured_output=structured)
     print(result.summary())
+    print("  machine: " + machine_info().describe())
     report: dict = {"kind": "throughput", "result": asdict(result), "args": vars(args),
-                    "machine": platform.processor() or platform.machine()}
+                    "machine": asdict(machine_info())}
     if args.repeat > 1:
         runs = [{"total_tokens_per_s": result.total_tokens_per_s, "rss_mb": current_rss_mb()}]
         for i in range(1, args.repeat):

@@ -4,6 +4,7 @@ on a tiny random model, through the real command line."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from kvflow.bench import hf_baseline
 from kvflow.bench.datasets import BenchRequest, fit_token_range
 from kvflow.bench.latency import prompts
+from kvflow.bench.machine import machine_info
 from kvflow.entrypoints.cli import main
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--num-threads", "1"]
@@ -53,7 +55,10 @@ def test_throughput_alone(tiny, tmp_path, capsys):
     assert res["total_tokens_per_s"] == pytest.approx((res["prompt_tokens"] + res["output_tokens"]) / res["wall_s"])
     # The warm-up draw differs, so nothing was served from the prefix cache: every prompt token was computed.
     assert res["computed_tokens"] == res["prompt_tokens"] + res["output_tokens"] - res["num_requests"]
-    assert "kvflow (float32)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "kvflow (float32)" in printed
+    # The machine beside the figure: CPU family and which kernels ran (bench/machine.py).
+    assert report["machine"] == asdict(machine_info()) and "  machine: " in printed
 
 
 def test_throughput_repeat_reports_each_run(tiny, tmp_path, capsys):

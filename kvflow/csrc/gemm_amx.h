@@ -176,10 +176,6 @@ struct AmxRows {
 // 1.3 TFLOP/s against torch's 2.2-2.5 (x re-read from beyond L2 for every chunk); panels 1.7-2.0.
 inline int64_t amx_panel_rows(int64_t k) { return std::max<int64_t>(32, (int64_t{1} << 20) / (2 * k) / 32 * 32); }
 
-inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
 // y = x @ W^T (+ bias) in bf16 for a weight packed by gemm.cpp's pack_weight<uint16_t, 2>.
 // Returns 0, -1 when K is not a multiple of 32, -4 out of memory.
 inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
@@ -204,15 +200,11 @@ inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
                 for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
                     const int64_t rows = std::min<int64_t>(32, m - r);
                     a.block(r, rows, two_tiles, tile0, tile_stride, 0, k_tiles, sums, /*stream=*/r == 0);
-                    // + bias, rounded to bf16 (nearest even), masked at N.
+                    // + bias, rounded to bf16, masked at N: the vector GEMM's store.
+                    const StoreRow<BF16> store{y + r * y_stride, y_stride, n0, n, bias};
                     for (int64_t i = 0; i < rows; ++i)
-                        for (int j = 0; j < (two_tiles ? 2 : 1); ++j) {
-                            const int64_t col = n0 + j * kTileCols;
-                            const __mmask16 mask = tail_mask(n - col);
-                            __m512 acc = _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]);
-                            if (bias != nullptr) acc = _mm512_add_ps(acc, load_bf16x16(bias + col, mask));
-                            _mm256_mask_storeu_epi16(y + (r + i) * y_stride + col, mask, (__m256i)_mm512_cvtneps_pbh(acc));
-                        }
+                        for (int j = 0; j < (two_tiles ? 2 : 1); ++j)
+                            store(static_cast<int>(i), j, _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]));
                 }
             }
         }

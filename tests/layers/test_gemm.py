@@ -16,6 +16,7 @@ the AVX2 + FMA blocks of csrc/gemm_avx2.h elsewhere):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -27,21 +28,36 @@ from tests.layers.test_bf16_dot import with_denormals
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
+@contextlib.contextmanager
+def amx_mode(kernels, choice: str):
+    """The kernels with `set_amx(choice)` in force, the setting before restored after; "auto"
+    skips the test where there are no tiles."""
+    before = kernels.amx
+    try:
+        if not kernels.set_amx(choice) and choice == "auto":
+            pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
+        yield kernels
+    finally:
+        kernels.set_amx("auto" if before else "off")
+
+
+def amx_telltale_rows(m: int, k: int) -> torch.Tensor:
+    """Rows of (2^24, 1, -2^24, 1, ...) in bf16: against a weight of ones vdpbf16ps's chain of FMAs
+    loses every 1 next to 2^24 (sum 0), the tile unit keeps them (sum K/2)."""
+    x = torch.ones(m, k)
+    x[:, 0::4], x[:, 2::4] = 2.0**24, -(2.0**24)
+    return x.to(torch.bfloat16)
+
+
 @pytest.fixture(params=["vector", "amx"])
 def gemm(kernels, dtype, request):
     """The kernels with the bf16 GEMM on the vector blocks, then on AMX tiles where there are any."""
     if not kernels.has_gemm(dtype):
         pytest.skip(f"this CPU lacks the instructions of kvflow's {dtype} GEMM")
-    before = kernels.amx
-    if request.param == "amx":
-        if dtype != torch.bfloat16:
-            pytest.skip("AMX tiles run the bf16 GEMM only")
-        if not kernels.set_amx("auto"):
-            pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
-    else:
-        kernels.set_amx("off")
-    yield kernels
-    kernels.set_amx("auto" if before else "off")
+    if request.param == "amx" and dtype != torch.bfloat16:
+        pytest.skip("AMX tiles run the bf16 GEMM only")
+    with amx_mode(kernels, "auto" if request.param == "amx" else "off"):
+        yield kernels
 
 
 def randn(*shape, dtype, generator=None):
@@ -221,29 +237,20 @@ def test_gemm_does_not_depend_on_the_thread_count(gemm, dtype):
 
 def test_amx_runs_only_whole_k_tiles(kernels):
     """K not a multiple of 32 runs the vector blocks even with AMX on (a per-layer choice, never per
-    batch). Rows of (2^24, 1, -2^24, 1, ...) against a weight of ones tell the two apart: vdpbf16ps's
-    chain of FMAs loses every 1 next to 2^24 (sum 0), the tile unit keeps them (K/2)."""
-    before = kernels.amx
-    if not kernels.set_amx("auto"):
-        pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
-    try:
+    batch); telltale rows (`amx_telltale_rows`) show which unit summed."""
+    with amx_mode(kernels, "auto"):
         sums = {}
         for k in (48, 64):
-            x = torch.ones(3, k)
-            x[:, 0::4], x[:, 2::4] = 2.0**24, -(2.0**24)
             packed = kernels.pack_weight(torch.ones(16, k, dtype=torch.bfloat16))
             for mode in ("on", "off"):
                 kernels.set_amx(mode)
-                sums[k, mode] = kernels.gemm(x.to(torch.bfloat16), packed, 16).float().unique().tolist()
+                sums[k, mode] = kernels.gemm(amx_telltale_rows(3, k), packed, 16).float().unique().tolist()
         assert sums[48, "on"] == sums[48, "off"] == [0.0]
         assert sums[64, "off"] == [0.0] and sums[64, "on"] == [32.0], sums
-    finally:
-        kernels.set_amx("auto" if before else "off")
 
 
 def test_amx_choice_is_checked(kernels):
-    before = kernels.amx
-    try:
+    with amx_mode(kernels, "off"):
         with pytest.raises(ValueError, match="KVFLOW_AMX"):
             kernels.set_amx("yes")
         assert kernels.set_amx("off") is False
@@ -252,8 +259,6 @@ def test_amx_choice_is_checked(kernels):
         else:
             with pytest.raises(ValueError, match="no AMX"):
                 kernels.set_amx("on")
-    finally:
-        kernels.set_amx("auto" if before else "off")
 
 
 @DTYPES

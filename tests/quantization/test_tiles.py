@@ -17,22 +17,16 @@ from kvflow.layers import cpu_kernels
 from kvflow.quantization import methods, tiles
 from kvflow.quantization.qweight import QuantizedWeight
 from tests.layers.test_bf16_dot import with_denormals
+from tests.layers.test_gemm import amx_mode, amx_telltale_rows
 
 
 @pytest.fixture(scope="module", params=["vector", "amx"])
 def lib(kernels, request):
     """(kernels, tile library): native where the CPU has AVX512-BF16, else the emulated build;
     then the native one on AMX tiles (csrc/quant_gemm_amx.h) where the CPU has them."""
-    before = kernels.amx
-    if request.param == "amx":
-        if not kernels.set_amx("auto"):
-            pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
-        k = kernels
-    else:
-        kernels.set_amx("off")
-        k = kernels if kernels.avx512_bf16 else cpu_kernels.load_emulated_avx512()
-    yield k, tiles._bind(k.lib)
-    kernels.set_amx("auto" if before else "off")
+    with amx_mode(kernels, "auto" if request.param == "amx" else "off"):
+        k = kernels if request.param == "amx" or kernels.avx512_bf16 else cpu_kernels.load_emulated_avx512()
+        yield k, tiles._bind(k.lib)
 
 
 def _weights(n: int, k: int, seed: int) -> list[QuantizedWeight]:
@@ -97,24 +91,17 @@ def test_tiles_rows_past_a_panel_are_batch_invariant(lib, which):
 
 
 def test_amx_tiles_sum_otherwise_than_vdpbf16ps(kernels):
-    """The AMX path really runs for groups of 32: x = (2^24, 1, -2^24, 1, ...) against an int8
-    weight of ones, scale 1, sums to 0 in vdpbf16ps's FMA chain and to K/2 on the tiles."""
-    before = kernels.amx
-    if not kernels.set_amx("auto"):
-        pytest.skip("no AMX bf16 tiles here (CPU, kernel or build)")
-    try:
+    """The AMX path really runs for groups of 32: telltale rows (`amx_telltale_rows`) against an
+    int8 weight of ones, scale 1, sum to 0 in vdpbf16ps's FMA chain and to K/2 on the tiles."""
+    with amx_mode(kernels, "auto"):
         k = 64
         qw = QuantizedWeight(torch.ones(16, k, dtype=torch.int8), torch.ones(16, 2), None, 8, 32, k, "ones")
-        x = torch.ones(2, k)
-        x[:, 0::4], x[:, 2::4] = 2.0**24, -(2.0**24)
         tile_lib = tiles._bind(kernels.lib)
         op = tiles.prepare(tiles.pack(qw, lib=tile_lib), float32_out=True, lib=tile_lib)
-        on = op(x.to(torch.bfloat16)).unique().tolist()
+        on = op(amx_telltale_rows(2, k)).unique().tolist()
         kernels.set_amx("off")
-        off = op(x.to(torch.bfloat16)).unique().tolist()
+        off = op(amx_telltale_rows(2, k)).unique().tolist()
         assert (on, off) == ([32.0], [0.0])
-    finally:
-        kernels.set_amx("auto" if before else "off")
 
 
 @pytest.mark.parametrize("out", ["float32", "bf16", "bf16+bias"])

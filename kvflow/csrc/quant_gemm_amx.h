@@ -4,13 +4,14 @@
 //
 // with each group's integer-weight dot products A from TDPBF16PS over the group's k tiles (so
 // groups of a multiple of 32 inputs; others run the vector kernel, a per-layer choice). The
-// quants become bf16 B tiles (the integers exactly): at 1-16 rows one k tile at a time just
-// ahead of the products (decode_rows_tile), at more a chunk at a time per row panel
-// (store_tile), which the panel's row blocks read from L1/L2. The scale and offset FMAs are the
-// vector kernel's, in its order. As in gemm_amx.h, the tile unit's sums round otherwise
-// than vdpbf16ps's chain, and a row's result depends on nothing but its own x row: batch- and
-// thread-invariant. On the Intel Xeon measured, a prefill-sized int8 or int4 call was bound by
-// vdpbf16ps as the bf16 GEMM was.
+// quants become bf16 B tiles (the integers exactly), unpacked a few k tiles ahead of the products
+// (UnpackAhead): into a ring at 1-16 rows, into a whole column tile at more, which the row panel's
+// later row tiles read from L1/L2 (Unpacked; long groups at prefill sizes unpack whole column
+// tiles first, store_tile). The scale and offset FMAs are the vector kernel's,
+// in its order, on accumulators held in registers. As in gemm_amx.h, the tile unit's sums round
+// otherwise than vdpbf16ps's chain, and a row's result depends on nothing but its own x row:
+// batch- and thread-invariant (every blocking below runs the same chain of tile products and
+// FMAs per row; tests/quantization/test_tiles.py checks rows alone against rows in a batch).
 #pragma once
 
 #include <algorithm>
@@ -26,33 +27,55 @@
 #if defined(KVFLOW_AMX)
 namespace kvflow {
 
-// One row tile (a decode step's 1-16 rows) against one column tile, the quants unpacked one k
-// tile at a time kAhead k tiles before the tile unit needs them, so the unpacking overlaps the
-// tile products and the stream from memory; four groups are in flight in the four sum tiles (x
-// and W tiles alternating), so each group's scale FMAs (`finish(g, sum_tile)`) wait on products
-// finished long before. The model's layers at one row, against the vector kernel's time:
-// unpacking whole chunks first cost int4 (groups of 32) 1.95x and int8 (per channel) 1.35x;
-// this 1.4x and 0.93-1.07x. What is left for int4 is per group: its tile loads, zeroing and
-// store (~1.7 ms of the 4.2 for the layers) and the unpacking stores (~1.8 ms, stream included).
-template <int Bits, typename Finish>
-inline void decode_rows_tile(const uint16_t* x, int64_t x_stride, const uint8_t* q, int64_t groups,
-                             int64_t tiles_per_group, float (*sums)[16][16], Finish& finish) {
-    constexpr int64_t kAhead = 3, kSlots = 4;
-    alignas(64) uint16_t slots[kSlots][512];
-    const int64_t a_bytes = x_stride * 2, k_tiles = groups * tiles_per_group;
-    auto unpack = [&](int64_t kt) {
-        unpack_blocks<Bits>(q, kt * 8, kt * 8 + 8, slots[kt % kSlots]);
+// B tiles of one column tile unpacked from its quants kAhead k tiles before the tile unit needs
+// them, into a ring of kSlots, so the unpacking overlaps the tile products and the stream from
+// memory. At one row, against unpacking whole column tiles first: int4 (groups of 32) 1.95x ->
+// 1.4x the vector kernel's time, int8 (per channel) 1.35x -> 0.93-1.07x.
+template <int Bits>
+struct UnpackAhead {
+    static constexpr int64_t kAhead = 3;
+    const uint8_t* q;
+    int64_t k_tiles;
+    uint16_t* slots;  // `ring` tiles: 4 at decode sizes, or every k tile for later row tiles to read
+    int64_t ring;
+
+    UnpackAhead(const uint8_t* quants, int64_t tiles, uint16_t* dest, int64_t ring_tiles)
+        : q(quants), k_tiles(tiles), slots(dest), ring(ring_tiles) {
+        for (int64_t kt = 0; kt < std::min(kAhead, k_tiles); ++kt) unpack(kt);
+    }
+    void unpack(int64_t kt) {
+        unpack_blocks<Bits>(q, kt * 8, kt * 8 + 8, slots + kt % ring * 512);
         tile_operands_stored();
-    };
+    }
+    const uint16_t* tile(int64_t kt) const { return slots + kt % ring * 512; }
+    void loaded(int64_t kt) {
+        if (kt + kAhead < k_tiles) unpack(kt + kAhead);
+    }
+};
+
+// B tiles of one column tile unpacked by the panel's first row tile, read by the others.
+struct Unpacked {
+    const uint16_t* tiles;
+    const uint16_t* tile(int64_t kt) const { return tiles + kt * 512; }
+    void loaded(int64_t) {}
+};
+
+// One row tile (rows of x `x_stride` apart) against one column tile over every group: four
+// groups in flight in the four sum tiles (x and W tiles alternating), so each group's FMAs
+// (`finish(g, sums[g % 4])`) wait on products finished long before.
+template <typename Source, typename Finish>
+inline void group_sums(const uint16_t* x, int64_t x_stride, Source& b, int64_t groups, int64_t tiles_per_group,
+                       float (*sums)[16][16], Finish&& finish) {
+    const int64_t a_bytes = x_stride * 2;
     // The tile intrinsics take literal tile numbers: one body per sum tile.
 #define KVFLOW_AMX_GROUP(C, A, B)                                                      \
     [&](int64_t g) {                                                                   \
         _tile_zero(C);                                                                 \
         for (int64_t kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; ++kt) { \
             _tile_loadd(A, x + kt * 32, a_bytes);                                      \
-            _tile_loadd(B, slots[kt % kSlots], 64);                                    \
+            _tile_loadd(B, b.tile(kt), 64);                                            \
             _tile_dpbf16ps(C, A, B);                                                   \
-            if (kt + kAhead < k_tiles) unpack(kt + kAhead);                            \
+            b.loaded(kt);                                                              \
         }                                                                              \
     }
     auto group0 = KVFLOW_AMX_GROUP(0, 4, 6);
@@ -60,16 +83,15 @@ inline void decode_rows_tile(const uint16_t* x, int64_t x_stride, const uint8_t*
     auto group2 = KVFLOW_AMX_GROUP(2, 4, 6);
     auto group3 = KVFLOW_AMX_GROUP(3, 5, 7);
 #undef KVFLOW_AMX_GROUP
-    auto done = [&](int64_t g) {  // group g's sums out of its tile, then its scale FMAs
+    auto done = [&](int64_t g) {  // group g's sums out of its tile, then its FMAs
         switch (g & 3) {
             case 0: _tile_stored(0, sums[0], 64); break;
             case 1: _tile_stored(1, sums[1], 64); break;
             case 2: _tile_stored(2, sums[2], 64); break;
             default: _tile_stored(3, sums[3], 64); break;
         }
-        finish(g, static_cast<int>(g & 3));
+        finish(g, sums[g & 3]);
     };
-    for (int64_t kt = 0; kt < std::min(kAhead, k_tiles); ++kt) unpack(kt);
     for (int64_t g = 0; g < groups; ++g) {
         switch (g & 3) {
             case 0: group0(g); break;
@@ -82,13 +104,97 @@ inline void decode_rows_tile(const uint16_t* x, int64_t x_stride, const uint8_t*
     for (int64_t g = std::max<int64_t>(0, groups - 3); g < groups; ++g) done(g);
 }
 
+// Two row tiles (x0's and x1's 16 rows) against one column tile, each B tile loaded once for
+// both: two groups in flight in sum tiles 0-1 and 2-3, `finish(g, sums of x0, sums of x1)`.
+// Calls of 17-32 rows thus stream the weight once with the products overlapping it, where a
+// second pass over the unpacked column tile ran after the stream (int8 at 32 rows: 7.4 ms for
+// the model's layers, about twice the 16-row time).
+template <typename Source, typename Finish>
+inline void group_sums_2(const uint16_t* x0, int64_t stride0, const uint16_t* x1, int64_t stride1, Source& b,
+                         int64_t groups, int64_t tiles_per_group, float (*sums)[16][16], Finish&& finish) {
+    const int64_t bytes0 = stride0 * 2, bytes1 = stride1 * 2;
+#define KVFLOW_AMX_GROUP2(C0, C1, B)                                                   \
+    [&](int64_t g) {                                                                   \
+        _tile_zero(C0);                                                                \
+        _tile_zero(C1);                                                                \
+        for (int64_t kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; ++kt) { \
+            _tile_loadd(B, b.tile(kt), 64);                                            \
+            _tile_loadd(4, x0 + kt * 32, bytes0);                                      \
+            _tile_dpbf16ps(C0, 4, B);                                                  \
+            _tile_loadd(5, x1 + kt * 32, bytes1);                                      \
+            _tile_dpbf16ps(C1, 5, B);                                                  \
+            b.loaded(kt);                                                              \
+        }                                                                              \
+    }
+    auto group0 = KVFLOW_AMX_GROUP2(0, 1, 6);
+    auto group1 = KVFLOW_AMX_GROUP2(2, 3, 7);
+#undef KVFLOW_AMX_GROUP2
+    auto done = [&](int64_t g) {
+        if (g & 1) {
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+            finish(g, sums[2], sums[3]);
+        } else {
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            finish(g, sums[0], sums[1]);
+        }
+    };
+    for (int64_t g = 0; g < groups; ++g) {
+        (g & 1) ? group1(g) : group0(g);
+        if (g >= 1) done(g - 1);
+    }
+    done(groups - 1);
+}
+
+// A row tile's outputs for one column tile, in registers across the groups: per group and row
+// acc = sums * s + acc, then + X[row, g] * o' (the vector kernel's two FMAs, in its order).
+// Held in memory they cost a load and a store per FMA pair: int4 at 32 rows ran 1.7x its time
+// at 16.
+template <bool Offsets>
+struct RowAccumulators {
+    __m512 acc[16];
+    int rows;
+
+    explicit RowAccumulators(int n_rows) : rows(n_rows) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    }
+    // sum: the group's stored sums; xs: X[first row, g], the next row's `groups` further on.
+    inline void add(const float (*sum)[16], const float* s, const float* o, const float* xs, int64_t groups) {
+        const __m512 sj = _mm512_loadu_ps(s);
+        const __m512 oj = Offsets ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+            if (i >= rows) break;
+            acc[i] = _mm512_fmadd_ps(_mm512_load_ps(sum[i]), sj, acc[i]);
+            if constexpr (Offsets) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i * groups]), oj, acc[i]);
+        }
+    }
+    template <typename Store>
+    inline void write(const Store& store, int j) const {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+            if (i >= rows) break;
+            store(i, j, acc[i]);
+        }
+    }
+};
+
+// Prefill-sized calls (over 32 rows) of weights with long groups (int8 per channel: one group)
+// run 2 x 2 tiles, which share their loads (one per product, against 1.5), and store each
+// group's sums after it: int8 at 512 rows 56 ms for the model's layers, against 61 two row
+// tiles at a time. Short groups (int4's 32) keep two groups in flight instead: at 512 rows 111
+// against 127 ms.
+constexpr int64_t kBlockedGroupTiles = 8;
+
 // Out: BF16 (bias bf16) or F32 (bias float32). Returns 0, or -4 out of memory.
 template <typename Out, int Bits, bool Offsets>
 int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTileWeight& w, int64_t n,
                    const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
-    const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, tile_stride = k * kTileCols;
-    const int64_t bytes = quant_tile_bytes(Bits, k), chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
-    const int64_t panel = amx_panel_rows(k);
+    const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, k_tiles = k / 32;
+    const int64_t tile_stride = k * kTileCols, bytes = quant_tile_bytes(Bits, k);
+    const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT), panel = amx_panel_rows(k);
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
     float* xsums = Offsets ? scratch_floats<4>(m * groups) : nullptr;
@@ -110,7 +216,6 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
         }
         configure_tiles(a.tile_rows);
         alignas(64) float sums[4][16][16];
-        alignas(64) float out[32][kNT * kTileCols];
         // Row panels as in gemm_amx_bf16 (each chunk unpacked again per panel: little against
         // a panel's products); one panel at decode sizes.
         for (int64_t p0 = 0; p0 < m; p0 += panel) {
@@ -119,46 +224,83 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                 if (m > 16 && tiles == nullptr) continue;  // out of memory: `failed` is set
                 const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
                 const int nt = n - n0 > kTileCols ? 2 : 1;
-                const float* s = w.scales + tile0 * groups * kTileCols;  // tile j, group g at (j * groups + g) * 16
-                const float* o = Offsets ? w.offsets + tile0 * groups * kTileCols : nullptr;
-                // out[i] (column tiles j0 .. j1) += group g's sums (sums[first + 2 * (i / 16) + j - j0])
-                // scaled, + offset x X[r + i, g].
-                auto add_group = [&](int64_t r, int64_t rows, int64_t g, int j0, int j1, int first) {
-                    for (int j = j0; j < j1; ++j) {
-                        const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * kTileCols);
-                        const __m512 oj = Offsets ? _mm512_loadu_ps(o + (j * groups + g) * kTileCols) : _mm512_setzero_ps();
-                        for (int64_t i = 0; i < rows; ++i) {
-                            float* acc = out[i] + j * kTileCols;
-                            __m512 v = _mm512_fmadd_ps(_mm512_load_ps(sums[first + (i / 16) * 2 + j - j0][i % 16]), sj, _mm512_load_ps(acc));
-                            if constexpr (Offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[(r + i) * groups + g]), oj, v);
-                            _mm512_store_ps(acc, v);
-                        }
-                    }
-                };
-                auto write = [&](int64_t r, int64_t rows) {
-                    const StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
-                    for (int64_t i = 0; i < rows; ++i)
-                        for (int j = 0; j < nt; ++j) store(static_cast<int>(i), j, _mm512_load_ps(out[i] + j * kTileCols));
+                // One row tile (rows from r) against column tile j, B tiles from `source`.
+                auto row_tile = [&](int64_t r, int rows, int j, auto& source) {
+                    const float* s = w.scales + (tile0 + j) * groups * kTileCols;  // group g at g * 16
+                    const float* o = Offsets ? w.offsets + (tile0 + j) * groups * kTileCols : nullptr;
+                    const float* xs = Offsets ? xsums + r * groups : nullptr;
+                    RowAccumulators<Offsets> acc(rows);
+                    group_sums(a.at(r), a.stride(r), source, groups, tiles_per_group, sums,
+                               [&](int64_t g, const float(*sum)[16]) {
+                                   acc.add(sum, s + g * kTileCols, Offsets ? o + g * kTileCols : nullptr,
+                                           Offsets ? xs + g : nullptr, groups);
+                               });
+                    acc.write(StoreRow<Out>{y + r * y_stride, y_stride, n0, n, bias}, j);
                 };
                 if (m <= 16) {
-                    std::memset(out, 0, sizeof(out));
+                    alignas(64) uint16_t ring[4][512];
                     for (int j = 0; j < nt; ++j) {
-                        auto finish = [&](int64_t g, int sum_tile) { add_group(0, m, g, j, j + 1, sum_tile); };
-                        decode_rows_tile<Bits>(x, x_stride, w.q + (tile0 + j) * bytes, groups, tiles_per_group, sums, finish);
+                        UnpackAhead<Bits> source(w.q + (tile0 + j) * bytes, k_tiles, ring[0], 4);
+                        row_tile(0, static_cast<int>(m), j, source);
                     }
-                    write(0, m);
                     continue;
                 }
-                for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
-                tile_operands_stored();
-                for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
-                    const int64_t rows = std::min<int64_t>(32, m - r);
-                    std::memset(out, 0, sizeof(out));
-                    for (int64_t g = 0; g < groups; ++g) {
-                        a.block(r, rows, nt == 2, tiles, tile_stride, g * tiles_per_group, (g + 1) * tiles_per_group, sums);
-                        add_group(r, rows, g, 0, nt, 0);
+                if (tiles_per_group >= kBlockedGroupTiles && m > 32) {
+                    // Prefill sizes, long groups (int8 per channel): 2 x 2 tiles share their
+                    // loads, the sums stored once per group.
+                    for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
+                    tile_operands_stored();
+                    for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
+                        const int64_t rows = std::min<int64_t>(32, m - r);
+                        RowAccumulators<Offsets> acc[2][2] = {{RowAccumulators<Offsets>(static_cast<int>(std::min<int64_t>(16, rows))),
+                                                               RowAccumulators<Offsets>(static_cast<int>(std::min<int64_t>(16, rows)))},
+                                                              {RowAccumulators<Offsets>(static_cast<int>(std::max<int64_t>(0, rows - 16))),
+                                                               RowAccumulators<Offsets>(static_cast<int>(std::max<int64_t>(0, rows - 16)))}};
+                        for (int64_t g = 0; g < groups; ++g) {
+                            a.block(r, rows, nt == 2, tiles, tile_stride, g * tiles_per_group, (g + 1) * tiles_per_group, sums);
+                            for (int i = 0; i < (rows > 16 ? 2 : 1); ++i)
+                                for (int j = 0; j < nt; ++j)
+                                    acc[i][j].add(sums[2 * i + j], w.scales + ((tile0 + j) * groups + g) * kTileCols,
+                                                  Offsets ? w.offsets + ((tile0 + j) * groups + g) * kTileCols : nullptr,
+                                                  Offsets ? xsums + (r + 16 * i) * groups + g : nullptr, groups);
+                        }
+                        for (int i = 0; i < (rows > 16 ? 2 : 1); ++i)
+                            for (int j = 0; j < nt; ++j)
+                                acc[i][j].write(StoreRow<Out>{y + (r + 16 * i) * y_stride, y_stride, n0, n, bias}, j);
                     }
-                    write(r, rows);
+                    continue;
+                }
+                // 32 rows at a time, two row tiles sharing each B tile; the first pair unpacks
+                // the column tile as it goes, for the others to read.
+                const int64_t p1 = std::min(m, p0 + panel);
+                for (int j = 0; j < nt; ++j) {
+                    uint16_t* column = tiles + j * tile_stride;
+                    UnpackAhead<Bits> first(w.q + (tile0 + j) * bytes, k_tiles, column, k_tiles);
+                    Unpacked unpacked{column};
+                    for (int64_t r = p0; r < p1; r += 32) {
+                        const int rows = static_cast<int>(std::min<int64_t>(32, p1 - r));
+                        if (rows <= 16) {
+                            r == p0 ? row_tile(r, rows, j, first) : row_tile(r, rows, j, unpacked);
+                            continue;
+                        }
+                        const float* s = w.scales + (tile0 + j) * groups * kTileCols;
+                        const float* o = Offsets ? w.offsets + (tile0 + j) * groups * kTileCols : nullptr;
+                        RowAccumulators<Offsets> acc0(16), acc1(rows - 16);
+                        auto finish = [&](int64_t g, const float(*sum0)[16], const float(*sum1)[16]) {
+                            acc0.add(sum0, s + g * kTileCols, Offsets ? o + g * kTileCols : nullptr,
+                                     Offsets ? xsums + r * groups + g : nullptr, groups);
+                            acc1.add(sum1, s + g * kTileCols, Offsets ? o + g * kTileCols : nullptr,
+                                     Offsets ? xsums + (r + 16) * groups + g : nullptr, groups);
+                        };
+                        if (r == p0)
+                            group_sums_2(a.at(r), a.stride(r), a.at(r + 16), a.stride(r + 16), first, groups,
+                                         tiles_per_group, sums, finish);
+                        else
+                            group_sums_2(a.at(r), a.stride(r), a.at(r + 16), a.stride(r + 16), unpacked, groups,
+                                         tiles_per_group, sums, finish);
+                        acc0.write(StoreRow<Out>{y + r * y_stride, y_stride, n0, n, bias}, j);
+                        acc1.write(StoreRow<Out>{y + (r + 16) * y_stride, y_stride, n0, n, bias}, j);
+                    }
                 }
             }
         }

@@ -28,6 +28,7 @@ rejection sampler, which keeps the target's distribution exact whatever q is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ from kvflow.config import ModelConfig
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_runner import ModelRunner
+from kvflow.layers import cpu_kernels
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
 from kvflow.loader import load_model, load_model_config, resolve_model_path
 from kvflow.quantization.config import QuantizationConfig
@@ -147,8 +149,9 @@ class DraftModelProposer:
         active = list(range(len(views)))
         while active:
             input_ids, positions, meta = self._decode_inputs([views[a] for a in active])
-            hidden = self.model(input_ids, positions, self.runner.kv_caches, meta)
-            tokens, q = self._sample(self.model.compute_logits(hidden), [seqs[rows[a]] for a in active],
+            with _units_for(len(active)):
+                logits = self.model.compute_logits(self.model(input_ids, positions, self.runner.kv_caches, meta))
+            tokens, q = self._sample(logits, [seqs[rows[a]] for a in active],
                                      [drafts[a] for a in active], [views[a].generator for a in active])
             for a in active:
                 views[a].num_computed_tokens += 1
@@ -248,6 +251,14 @@ class DraftModelProposer:
         view = self._seen.pop(request_id, None)
         if view is not None and not self.shares_target_kv:  # shared blocks are the target sequence's
             self.kv.free(view)
+
+
+def _units_for(rows: int) -> contextlib.AbstractContextManager:
+    """Where a self-draft's forward of `rows` one-token rows runs: one row on the vector units
+    (`CPUKernels.vector_units`: 4-bit groups decode faster there than on AMX tiles), more on
+    whatever the target uses. The draft's bits do not matter: the target verifies every guess."""
+    kernels = cpu_kernels.load() if rows == 1 else None
+    return kernels.vector_units() if kernels is not None else contextlib.nullcontext()
 
 
 def _proposals(num_seqs: int, rows: list[int], drafts: list[list[int]],

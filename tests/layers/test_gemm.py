@@ -298,3 +298,17 @@ def test_gemm_strided_row_tiles(gemm, dtype):
 def test_gemm_of_no_rows(gemm, dtype):
     y = gemm.gemm(randn(0, 64, dtype=dtype), gemm.pack_weight(randn(40, 64, dtype=dtype)), 40)
     assert y.shape == (0, 40)
+
+
+def test_vector_units_pause_amx_and_restore_it(kernels):
+    """`vector_units` (a speculative draft's one-row forwards) runs its calls on the vector
+    blocks, telltale rows show, and leaves AMX on after, also when the body raises."""
+    with amx_mode(kernels, "auto"):
+        packed = kernels.pack_weight(torch.ones(16, 64, dtype=torch.bfloat16))
+        x = amx_telltale_rows(1, 64)
+        with kernels.vector_units():
+            assert kernels.gemm(x, packed, 16).float().unique().tolist() == [0.0]
+        assert kernels.gemm(x, packed, 16).float().unique().tolist() == [32.0]
+        with pytest.raises(RuntimeError, match="inside"), kernels.vector_units():
+            raise RuntimeError("inside")
+        assert kernels.amx and kernels.gemm(x, packed, 16).float().unique().tolist() == [32.0]

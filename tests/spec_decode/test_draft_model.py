@@ -201,3 +201,31 @@ def test_a_self_draft_keeps_the_pool_whole_after_every_step(target, layout):
     assert spec == plain
     if "kv_cache_memory" in layout:
         assert preemptions > 0, "the tight pool was meant to preempt"
+
+
+def test_one_row_self_draft_steps_run_on_the_vector_units(target):
+    """A self-draft's one-row forwards run on the vector units (`_units_for`: faster for 4-bit
+    groups than AMX tiles), wider ones as the target does; the bf16 target's greedy output is
+    unchanged either way, at batch 1 and batch 3."""
+    from kvflow.layers import cpu_kernels
+    from kvflow.spec_decode.draft_model import _units_for
+    from tests.layers.test_gemm import amx_mode, amx_telltale_rows
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.has_gemm(torch.bfloat16):
+        pytest.skip("no bf16 CPU kernels here")
+    with amx_mode(kernels, "auto"):
+        packed = kernels.pack_weight(torch.ones(16, 64, dtype=torch.bfloat16))
+        summed = lambda: kernels.gemm(amx_telltale_rows(1, 64), packed, 16).float().unique().tolist()  # noqa: E731
+        with _units_for(1):
+            assert summed() == [0.0]  # vdpbf16ps's chain
+        with _units_for(2):
+            assert summed() == [32.0]  # the tile unit
+        prompts = [[5, 9, 13], [7, 7, 2, 40], [11]]
+        plain = LLM(target, dtype="bfloat16", kv_cache_memory=1 << 20)
+        llm = LLM(target, dtype="bfloat16", kv_cache_memory=1 << 20,
+                  speculative_config={**_spec(target), "quantization": "int4"})
+        for batch in ([prompts[0]], prompts):
+            want = [o.outputs[0].token_ids for o in plain.generate(batch, GREEDY)]
+            assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == want
+        assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0

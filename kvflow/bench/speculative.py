@@ -12,8 +12,9 @@ acceptance rate, tokens per speculative step, acceptance by draft position), and
 runs whether both engines produced identical tokens (they must).
 
 Workloads: `grounded` (chat prompts over kvflow's own source whose answers quote the
-prompt; `kvflow.bench.grounded`), `random` (W-offline's random token ids and lengths), or
-`jsonl` (your own prompts).
+prompt; `kvflow.bench.grounded`), `chat` (short open questions whose answers quote nothing;
+`kvflow.bench.chat`), `random` (W-offline's random token ids and lengths), or `jsonl` (your own
+prompts).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class SpecBenchResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["grounded", "random", "jsonl"], default="grounded")
+    g.add_argument("--dataset", choices=["grounded", "chat", "random", "jsonl"], default="grounded")
     g.add_argument("--dataset-path", help="for --dataset jsonl")
     g.add_argument("--num-prompts", type=int, default=12)
     g.add_argument("--output-len", type=int, default=None,
@@ -110,6 +111,10 @@ def build_requests(args: argparse.Namespace, tokenizer, vocab_size: int, seed: i
                    exclude: list[BenchRequest] | tuple = ()) -> list[BenchRequest]:
     if args.dataset == "grounded":
         return grounded_requests(tokenizer, count, seed, args.output_len or 128, exclude)
+    if args.dataset == "chat":
+        from kvflow.bench.chat import chat_requests
+
+        return chat_requests(tokenizer, count, seed, args.output_len or 128, exclude)
     if args.dataset == "random":  # W-offline's definition (with --num-prompts 32 and --dataset-seed 0)
         token_range = fit_token_range(WORKLOAD_TOKEN_RANGE, vocab_size)
         out = (args.output_len, args.output_len) if args.output_len else (32, 256)

@@ -2,6 +2,7 @@
 kernel tables (end-to-end claims come from `kvflow bench`; these say which kernel moved).
 
     python scripts/kernel_microbench.py gemm [ROWS ...]   # bf16 GEMM, quantized tiles, row-layout kernel
+    python scripts/kernel_microbench.py layers [ROWS ...] # the model's 120 linears streamed from memory
     python scripts/kernel_microbench.py attention          # paged prefill and decode attention
 
 Medians of 5 timed repeats after a warm-up, in microseconds (gemm) or milliseconds (attention);
@@ -56,6 +57,32 @@ def gemm(rows: list[int]) -> None:
             print("  ".join(cells), flush=True)
 
 
+def layers(rows: list[int]) -> None:
+    """SmolLM2-135M's 120 linear layers (QKV, O, gate/up, down of 30 layers; 212 MB in bf16), each
+    its own weight, called in turn as a decode or prefill step would: unlike `gemm`, whose one
+    weight stays in L2, the weights come from memory. Milliseconds for all 120 calls, bf16
+    against int8 (per channel) and int4 (groups of 32) tiles; KVFLOW_AMX=off for the vector units."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not tiles.available():
+        sys.exit("needs kvflow's CPU kernels with the quantized tiles (AVX512-BF16 or AVX2 + FMA)")
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    ops: dict[str, list] = {"bf16": [], "int8": [], "int4": []}
+    for n, k in shapes:
+        w = torch.randn(n, k) * 0.05
+        packed = kernels.pack_weight(w.to(torch.bfloat16))
+        ops["bf16"].append((lambda x, p=packed, n=n: kernels.gemm(x, p, n, None), k))
+        ops["int8"].append((tiles.prepare(tiles.pack(methods.quantize_int8(w))), k))
+        ops["int4"].append((tiles.prepare(tiles.pack(methods.quantize_int4(w, 32))), k))
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (576, 1536)}
+        cells = [f"m={m:4d}"]
+        for name, calls in ops.items():
+            step = lambda calls=calls: [op(xs[k]) for op, k in calls]  # noqa: E731
+            cells.append(f"{name} {median_seconds(step, repeats=7) * 1e3:7.2f} ms")
+        print("  ".join(cells), flush=True)
+
+
 def attention() -> None:
     """SmolLM2's heads (9 query, 3 KV, head_dim 64), blocks of 16: prefill of two 512-token
     prompts, and one decode step of 32 sequences at 400 keys (W-offline-like)."""
@@ -88,9 +115,11 @@ def attention() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in ("gemm", "attention"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("gemm", "layers", "attention"):
         sys.exit(__doc__)
     if sys.argv[1] == "gemm":
         gemm([int(a) for a in sys.argv[2:]] or [1, 4, 16, 64, 256])
+    elif sys.argv[1] == "layers":
+        layers([int(a) for a in sys.argv[2:]] or [1, 4, 16, 32, 64, 512])
     else:
         attention()

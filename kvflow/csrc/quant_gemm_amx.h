@@ -184,8 +184,8 @@ struct RowAccumulators {
 // Prefill-sized calls (over 32 rows) of weights with long groups (int8 per channel: one group)
 // run 2 x 2 tiles, which share their loads (one per product, against 1.5), and store each
 // group's sums after it: int8 at 512 rows 56 ms for the model's layers, against 61 two row
-// tiles at a time. Short groups (int4's 32) keep two groups in flight instead: at 512 rows 111
-// against 127 ms.
+// tiles at a time. Short groups (int4's 32) keep two groups in flight instead: at 128 rows 39
+// against 47-48 ms (scripts/kernel_microbench.py layers).
 constexpr int64_t kBlockedGroupTiles = 8;
 
 // Out: BF16 (bias bf16) or F32 (bias float32). Returns 0, or -4 out of memory.

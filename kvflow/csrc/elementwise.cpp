@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -64,9 +65,15 @@ void silu_and_mul(const typename Dt::T* gate_up, typename Dt::T* out, int64_t ro
         for (; i + 16 <= inter; i += 16) {
             const __m512 g = kvflow::load16(gate + i);
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), kvflow::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            alignas(64) float tmp[16];
-            _mm512_store_ps(tmp, silu);
-            for (int j = 0; j < 16; ++j) dst[i + j] = Dt::store(Dt::round(tmp[j]) * Dt::load(up[i + j]));
+            // The scalar loop's round, product and store on 16 lanes (it used to finish each
+            // vector one lane at a time: two thirds of the op's time).
+            if constexpr (std::is_same_v<Dt, BF16>) {
+                const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(kvflow::bf16_bits16(silu), 16));
+                const __m512i out = kvflow::bf16_bits16(_mm512_mul_ps(rounded, kvflow::load16(up + i)));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(out));
+            } else {
+                _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, kvflow::load16(up + i)));
+            }
         }
 #endif
         for (; i < inter; ++i) {

@@ -24,6 +24,22 @@ using kvflow::F32;
 // Rows per OpenMP task: small tensors stay on one thread (a fork costs more than the work).
 inline bool worth_threads(int64_t elements) { return elements >= (1 << 15); }
 
+#if defined(KVFLOW_AVX512F)
+// Dt::round and Dt::store on 16 lanes, the same bits (kvflow::bf16_bits16 is float_to_bf16).
+template <typename Dt>
+inline __m512 round16(__m512 v) {
+    if constexpr (std::is_same_v<Dt, BF16>) return _mm512_castsi512_ps(_mm512_slli_epi32(kvflow::bf16_bits16(v), 16));
+    return v;
+}
+template <typename Dt>
+inline void store16(typename Dt::T* dst, __m512 v) {
+    if constexpr (std::is_same_v<Dt, BF16>)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(kvflow::bf16_bits16(v)));
+    else
+        _mm512_storeu_ps(dst, v);
+}
+#endif
+
 // residual (optional, in place) += x; out = weight * round(norm(residual)).
 template <typename Dt>
 void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt::T* weight, typename Dt::T* out,
@@ -32,10 +48,14 @@ void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt
 #pragma omp parallel for if (worth_threads(rows * hidden))
     for (int64_t r = 0; r < rows; ++r) {
         T* src = residual != nullptr ? residual + r * hidden : x + r * hidden;
+        int64_t i0 = 0;
         if (residual != nullptr) {
             const T* delta = x + r * hidden;
+#if defined(KVFLOW_AVX512F)
+            for (; i0 + 16 <= hidden; i0 += 16) store16<Dt>(src + i0, _mm512_add_ps(kvflow::load16(src + i0), kvflow::load16(delta + i0)));
+#endif
 #pragma omp simd
-            for (int64_t i = 0; i < hidden; ++i) src[i] = Dt::store(Dt::load(src[i]) + Dt::load(delta[i]));
+            for (int64_t i = i0; i < hidden; ++i) src[i] = Dt::store(Dt::load(src[i]) + Dt::load(delta[i]));
         }
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -45,8 +65,14 @@ void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt
         }
         const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
         T* dst = out + r * hidden;
+        int64_t i = 0;
+#if defined(KVFLOW_AVX512F)
+        for (; i + 16 <= hidden; i += 16)
+            store16<Dt>(dst + i, _mm512_mul_ps(kvflow::load16(weight + i),
+                                               round16<Dt>(_mm512_mul_ps(kvflow::load16(src + i), _mm512_set1_ps(inv)))));
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) dst[i] = Dt::store(Dt::load(weight[i]) * Dt::round(Dt::load(src[i]) * inv));
+        for (int64_t j = i; j < hidden; ++j) dst[j] = Dt::store(Dt::load(weight[j]) * Dt::round(Dt::load(src[j]) * inv));
     }
 }
 
@@ -67,13 +93,7 @@ void silu_and_mul(const typename Dt::T* gate_up, typename Dt::T* out, int64_t ro
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), kvflow::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
             // The scalar loop's round, product and store on 16 lanes (it used to finish each
             // vector one lane at a time: two thirds of the op's time).
-            if constexpr (std::is_same_v<Dt, BF16>) {
-                const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(kvflow::bf16_bits16(silu), 16));
-                const __m512i out = kvflow::bf16_bits16(_mm512_mul_ps(rounded, kvflow::load16(up + i)));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(out));
-            } else {
-                _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, kvflow::load16(up + i)));
-            }
+            store16<Dt>(dst + i, _mm512_mul_ps(round16<Dt>(silu), kvflow::load16(up + i)));
         }
 #endif
         for (; i < inter; ++i) {

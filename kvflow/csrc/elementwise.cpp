@@ -48,14 +48,14 @@ void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt
 #pragma omp parallel for if (worth_threads(rows * hidden))
     for (int64_t r = 0; r < rows; ++r) {
         T* src = residual != nullptr ? residual + r * hidden : x + r * hidden;
-        int64_t i0 = 0;
         if (residual != nullptr) {
             const T* delta = x + r * hidden;
+            int64_t i = 0;
 #if defined(KVFLOW_AVX512F)
-            for (; i0 + 16 <= hidden; i0 += 16) store16<Dt>(src + i0, _mm512_add_ps(kvflow::load16(src + i0), kvflow::load16(delta + i0)));
+            for (; i + 16 <= hidden; i += 16) store16<Dt>(src + i, _mm512_add_ps(kvflow::load16(src + i), kvflow::load16(delta + i)));
 #endif
 #pragma omp simd
-            for (int64_t i = i0; i < hidden; ++i) src[i] = Dt::store(Dt::load(src[i]) + Dt::load(delta[i]));
+            for (int64_t j = i; j < hidden; ++j) src[j] = Dt::store(Dt::load(src[j]) + Dt::load(delta[j]));
         }
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)

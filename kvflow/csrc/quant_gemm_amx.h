@@ -224,18 +224,34 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                 if (m > 16 && tiles == nullptr) continue;  // out of memory: `failed` is set
                 const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
                 const int nt = n - n0 > kTileCols ? 2 : 1;
+                using Acc = RowAccumulators<Offsets>;
+                // acc += group g's sums for column tile j, rows from `row`, scaled and offset.
+                auto add = [&](Acc& acc, const float (*sum)[16], int j, int64_t g, int64_t row) {
+                    const int64_t at = ((tile0 + j) * groups + g) * kTileCols;
+                    acc.add(sum, w.scales + at, Offsets ? w.offsets + at : nullptr,
+                            Offsets ? xsums + row * groups + g : nullptr, groups);
+                };
+                auto store = [&](const Acc& acc, int j, int64_t row) {
+                    acc.write(StoreRow<Out>{y + row * y_stride, y_stride, n0, n, bias}, j);
+                };
                 // One row tile (rows from r) against column tile j, B tiles from `source`.
                 auto row_tile = [&](int64_t r, int rows, int j, auto& source) {
-                    const float* s = w.scales + (tile0 + j) * groups * kTileCols;  // group g at g * 16
-                    const float* o = Offsets ? w.offsets + (tile0 + j) * groups * kTileCols : nullptr;
-                    const float* xs = Offsets ? xsums + r * groups : nullptr;
-                    RowAccumulators<Offsets> acc(rows);
+                    Acc acc(rows);
                     group_sums(a.at(r), a.stride(r), source, groups, tiles_per_group, sums,
-                               [&](int64_t g, const float(*sum)[16]) {
-                                   acc.add(sum, s + g * kTileCols, Offsets ? o + g * kTileCols : nullptr,
-                                           Offsets ? xs + g : nullptr, groups);
-                               });
-                    acc.write(StoreRow<Out>{y + r * y_stride, y_stride, n0, n, bias}, j);
+                               [&](int64_t g, const float(*sum)[16]) { add(acc, sum, j, g, r); });
+                    store(acc, j, r);
+                };
+                // Up to two row tiles (rows from r, at most 32) sharing each B tile from `source`.
+                auto row_pair = [&](int64_t r, int rows, int j, auto& source) {
+                    if (rows <= 16) return row_tile(r, rows, j, source);
+                    Acc acc0(16), acc1(rows - 16);
+                    group_sums_2(a.at(r), a.stride(r), a.at(r + 16), a.stride(r + 16), source, groups, tiles_per_group,
+                                 sums, [&](int64_t g, const float(*sum0)[16], const float(*sum1)[16]) {
+                                     add(acc0, sum0, j, g, r);
+                                     add(acc1, sum1, j, g, r + 16);
+                                 });
+                    store(acc0, j, r);
+                    store(acc1, j, r + 16);
                 };
                 if (m <= 16) {
                     alignas(64) uint16_t ring[4][512];
@@ -245,62 +261,35 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                     }
                     continue;
                 }
+                const int64_t p1 = std::min(m, p0 + panel);
                 if (tiles_per_group >= kBlockedGroupTiles && m > 32) {
                     // Prefill sizes, long groups (int8 per channel): 2 x 2 tiles share their
                     // loads, the sums stored once per group.
                     for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
                     tile_operands_stored();
-                    for (int64_t r = p0; r < std::min(m, p0 + panel); r += 32) {
-                        const int64_t rows = std::min<int64_t>(32, m - r);
-                        RowAccumulators<Offsets> acc[2][2] = {{RowAccumulators<Offsets>(static_cast<int>(std::min<int64_t>(16, rows))),
-                                                               RowAccumulators<Offsets>(static_cast<int>(std::min<int64_t>(16, rows)))},
-                                                              {RowAccumulators<Offsets>(static_cast<int>(std::max<int64_t>(0, rows - 16))),
-                                                               RowAccumulators<Offsets>(static_cast<int>(std::max<int64_t>(0, rows - 16)))}};
+                    for (int64_t r = p0; r < p1; r += 32) {
+                        const int64_t rows = std::min<int64_t>(32, p1 - r);
+                        const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
+                        Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
                         for (int64_t g = 0; g < groups; ++g) {
                             a.block(r, rows, nt == 2, tiles, tile_stride, g * tiles_per_group, (g + 1) * tiles_per_group, sums);
-                            for (int i = 0; i < (rows > 16 ? 2 : 1); ++i)
-                                for (int j = 0; j < nt; ++j)
-                                    acc[i][j].add(sums[2 * i + j], w.scales + ((tile0 + j) * groups + g) * kTileCols,
-                                                  Offsets ? w.offsets + ((tile0 + j) * groups + g) * kTileCols : nullptr,
-                                                  Offsets ? xsums + (r + 16 * i) * groups + g : nullptr, groups);
+                            for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
+                                for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
                         }
-                        for (int i = 0; i < (rows > 16 ? 2 : 1); ++i)
-                            for (int j = 0; j < nt; ++j)
-                                acc[i][j].write(StoreRow<Out>{y + (r + 16 * i) * y_stride, y_stride, n0, n, bias}, j);
+                        for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
+                            for (int j = 0; j < nt; ++j) store(acc[i][j], j, r + 16 * i);
                     }
                     continue;
                 }
                 // 32 rows at a time, two row tiles sharing each B tile; the first pair unpacks
                 // the column tile as it goes, for the others to read.
-                const int64_t p1 = std::min(m, p0 + panel);
                 for (int j = 0; j < nt; ++j) {
                     uint16_t* column = tiles + j * tile_stride;
                     UnpackAhead<Bits> first(w.q + (tile0 + j) * bytes, k_tiles, column, k_tiles);
                     Unpacked unpacked{column};
-                    for (int64_t r = p0; r < p1; r += 32) {
-                        const int rows = static_cast<int>(std::min<int64_t>(32, p1 - r));
-                        if (rows <= 16) {
-                            r == p0 ? row_tile(r, rows, j, first) : row_tile(r, rows, j, unpacked);
-                            continue;
-                        }
-                        const float* s = w.scales + (tile0 + j) * groups * kTileCols;
-                        const float* o = Offsets ? w.offsets + (tile0 + j) * groups * kTileCols : nullptr;
-                        RowAccumulators<Offsets> acc0(16), acc1(rows - 16);
-                        auto finish = [&](int64_t g, const float(*sum0)[16], const float(*sum1)[16]) {
-                            acc0.add(sum0, s + g * kTileCols, Offsets ? o + g * kTileCols : nullptr,
-                                     Offsets ? xsums + r * groups + g : nullptr, groups);
-                            acc1.add(sum1, s + g * kTileCols, Offsets ? o + g * kTileCols : nullptr,
-                                     Offsets ? xsums + (r + 16) * groups + g : nullptr, groups);
-                        };
-                        if (r == p0)
-                            group_sums_2(a.at(r), a.stride(r), a.at(r + 16), a.stride(r + 16), first, groups,
-                                         tiles_per_group, sums, finish);
-                        else
-                            group_sums_2(a.at(r), a.stride(r), a.at(r + 16), a.stride(r + 16), unpacked, groups,
-                                         tiles_per_group, sums, finish);
-                        acc0.write(StoreRow<Out>{y + r * y_stride, y_stride, n0, n, bias}, j);
-                        acc1.write(StoreRow<Out>{y + (r + 16) * y_stride, y_stride, n0, n, bias}, j);
-                    }
+                    row_pair(p0, static_cast<int>(std::min<int64_t>(32, p1 - p0)), j, first);
+                    for (int64_t r = p0 + 32; r < p1; r += 32)
+                        row_pair(r, static_cast<int>(std::min<int64_t>(32, p1 - r)), j, unpacked);
                 }
             }
         }

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.device import resolve_device
 from kvflow.engine.batch_queue import BatchQueue
+from kvflow.engine.cpu_threads import set_compute_threads
 from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
@@ -49,10 +49,7 @@ logger = logging.getLogger("kvflow")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        else:
-            torch.set_num_threads(os.cpu_count() or 1)
+        set_compute_threads(config.num_threads)
         start = time.perf_counter()
         path = resolve_model_path(config.model)
         self.model_path = path

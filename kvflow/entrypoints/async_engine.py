@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.engine.cpu_threads import release_openmp_threads, set_compute_threads
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
 from kvflow.engine.request_state import EngineStats
 # The request-side pieces live in request_stream.py (shared with the split server's client); the
@@ -85,6 +86,9 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._step_listeners: list[Any] = []  # fn(engine) after every step, on the engine thread
+        # This thread built the engine (loading, the warm-up pass) and computes no more: its OpenMP
+        # workers would otherwise slow every parallel region of the engine thread (cpu_threads.py).
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._thread.start()
         self.kv_connector = None  # prefill/decode disaggregation (kvflow/distributed/kv_transfer/), with --kv-transfer-config
@@ -222,6 +226,7 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        set_compute_threads(self.engine.config.num_threads)  # a per-thread setting: the builder's does not reach here
         try:
             while True:
                 with self._cond:

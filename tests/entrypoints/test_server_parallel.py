@@ -242,3 +242,32 @@ def test_merged_interleaves_and_closes_every_source():
     closed.clear()
     assert len(asyncio.run(run(2))) == 2
     assert sorted(closed) == [0, 1]  # leaving early closes the sources still running (their aborts)
+
+
+def test_merged_one_source_passes_items_through_and_closes_it():
+    from kvflow.entrypoints.openai import choices as c
+
+    closed: list[int] = []
+
+    async def source():
+        try:
+            for k in range(3):
+                await asyncio.sleep(0)
+                yield k
+        finally:
+            closed.append(0)
+
+    async def run(limit: int | None) -> list[tuple[int, int]]:
+        got = []
+        async with c.merging([source()]) as items:
+            async for item in items:
+                got.append(item)
+                if limit is not None and len(got) == limit:
+                    break
+        return got
+
+    assert asyncio.run(run(None)) == [(0, 0), (0, 1), (0, 2)]
+    assert closed == [0]
+    closed.clear()
+    assert asyncio.run(run(1)) == [(0, 0)]
+    assert closed == [0]  # a client that leaves mid-stream closes the source: its request is aborted

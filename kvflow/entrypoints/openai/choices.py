@@ -178,6 +178,14 @@ async def merged(sources: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
     prompt's engine request is aborted and its blocks freed at once.
     """
     iters = [aiter(s) for s in sources]
+    if len(iters) == 1:  # one prompt, the usual request: no task and no wait per token
+        try:
+            async for item in iters[0]:
+                yield 0, item
+        finally:
+            if hasattr(iters[0], "aclose"):
+                await iters[0].aclose()
+        return
 
     def next_of(i: int) -> asyncio.Future:
         async def step() -> T:

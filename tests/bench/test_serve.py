@@ -8,6 +8,7 @@ so it may only be larger, by network and parsing slack.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -113,3 +114,19 @@ def test_refused_requests_are_reported_not_hidden(server, tmp_path):
 def test_wrong_api_key_is_one_clear_error(server, capsys):
     assert main(["bench", "serve", "--base-url", server, "--api-key", "wrong", "--no-progress"]) == 2
     assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_sse_lines_splits_the_raw_stream_on_newlines():
+    from kvflow.bench.serve_client import sse_lines
+
+    class Response:  # the one method sse_lines reads
+        async def aiter_bytes(self):
+            text = 'data: {"t": "é"}\r\n\r\ndata: [DONE]\n\ntrailing'.encode()
+            cut = text.index("é".encode()) + 1  # a chunk boundary inside a two-byte character
+            for piece in (text[:cut], text[cut:cut + 9], text[cut + 9:]):
+                yield piece
+
+    async def collect() -> list[bytes]:
+        return [line async for line in sse_lines(Response())]
+
+    assert asyncio.run(collect()) == ['data: {"t": "é"}'.encode(), b"", b"data: [DONE]", b"", b"trailing"]

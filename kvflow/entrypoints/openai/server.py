@@ -118,32 +118,33 @@ class OpenAIServer:
 
     # ---- consuming a request's outputs --------------------------------------------------------
     async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, recorded in the metrics; aborts it if the client leaves."""
+        """The request's outputs, recorded in the metrics; aborts it if the client leaves.
+
+        One watcher task per request polls for the disconnect, so a token costs one queue read
+        here, not a task and a timed wait (that per-token work took CPU from the engine's cores).
+        """
         tracker = self.metrics.tracker()
-        pending: asyncio.Task | None = None
-        loop = asyncio.get_running_loop()
-        last_check = loop.time()
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_client(raw, stream, gone))
         try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(stream.next())
-                done, _ = await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S)
-                if loop.time() - last_check >= DISCONNECT_POLL_S:  # also while tokens flow
-                    last_check = loop.time()
-                    if await raw.is_disconnected():
-                        raise ClientDisconnected()
-                if not done:
-                    continue
-                task, pending = pending, None
-                out = task.result()
-                if out is None:
-                    return
+            while (out := await stream.next()) is not None:
                 tracker.on_output(out)
                 yield out
+            if gone.is_set():
+                raise ClientDisconnected()
         finally:
-            if pending is not None:
-                pending.cancel()
+            watcher.cancel()
             stream.abort()  # no-op once finished
+
+    @staticmethod
+    async def _watch_client(raw: Request, stream: RequestStream, gone: asyncio.Event) -> None:
+        """Abort `stream` (which ends its reader) once the client has gone; polled, also while tokens flow."""
+        while not stream.finished:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await raw.is_disconnected():
+                gone.set()
+                stream.abort()
+                return
 
     async def final_output(self, stream: RequestStream, raw: Request) -> RequestOutput:
         final = None

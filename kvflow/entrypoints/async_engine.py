@@ -226,8 +226,8 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        set_compute_threads(self.engine.config.num_threads)  # a per-thread setting: the builder's does not reach here
         try:
+            set_compute_threads(self.engine.config.num_threads)  # a per-thread setting: the builder's does not reach here
             while True:
                 with self._cond:
                     while not self._commands and not self._stopping and not self.engine.has_unfinished_requests():

@@ -83,8 +83,10 @@ class RequestStream:
         """Stop the request in the engine (freeing its blocks) unless it already finished."""
         if not self.finished:
             self.finished = True
-            self._owner.abort(self.request_id, self)
-            self._queue.put_nowait(None)
+            try:
+                self._owner.abort(self.request_id, self)
+            finally:  # a reader waiting on the queue must wake even if the owner's abort failed
+                self._queue.put_nowait(None)
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

@@ -138,13 +138,24 @@ class OpenAIServer:
 
     @staticmethod
     async def _watch_client(raw: Request, stream: RequestStream, gone: asyncio.Event) -> None:
-        """Abort `stream` (which ends its reader) once the client has gone; polled, also while tokens flow."""
-        while not stream.finished:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await raw.is_disconnected():
-                gone.set()
-                stream.abort()
+        """Abort `stream` (which ends its reader) once the client has gone; polled, also while tokens flow.
+
+        Nobody awaits this task, so it must not fail silently: an error while polling counts as the
+        client being gone (the request is aborted and logged, never left running unwatched).
+        """
+        try:
+            while not stream.finished:
+                await asyncio.sleep(DISCONNECT_POLL_S)
+                if await raw.is_disconnected():
+                    break
+            else:
                 return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("checking whether the client of %s is still there failed; aborting it", stream.request_id)
+        gone.set()
+        stream.abort()
 
     async def final_output(self, stream: RequestStream, raw: Request) -> RequestOutput:
         final = None

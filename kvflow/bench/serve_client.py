@@ -130,14 +130,18 @@ async def sse_lines(resp: "httpx.Response") -> AsyncIterator[bytes]:
     """The stream's lines as bytes, split on the raw body: httpx's `aiter_lines` stacks a text
     decoder and a line decoder on top, a cost per event that the client pays on the cores it
     shares with the server under test (an event's JSON is ASCII or UTF-8 either way)."""
-    pending = b""
+    pending: list[bytes] = []  # the unfinished line's pieces: a long line costs its length once, not per chunk
     async for data in resp.aiter_bytes():
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r")
+        *lines, tail = data.split(b"\n")
+        if lines:
+            lines[0] = b"".join(pending) + lines[0]
+            pending.clear()
+            for line in lines:
+                yield line.rstrip(b"\r")
+        if tail:
+            pending.append(tail)
     if pending:
-        yield pending.rstrip(b"\r")
+        yield b"".join(pending).rstrip(b"\r")
 
 
 async def send_request(client: "httpx.AsyncClient", url: str, payload: dict[str, Any],

@@ -43,15 +43,26 @@ def set_compute_threads(num_threads: int | None) -> int:
     return n
 
 
+_OPENMP_LIBRARIES = ("libgomp", "libomp.", "libomp-", "libiomp")  # GNU, LLVM (not libomptarget), Intel
+
+
+def _mapped_path(maps_line: str) -> str:
+    """The file of one /proc/self/maps line ('' for anonymous memory); a path may hold spaces,
+    and a library replaced on disk since it was loaded is marked ' (deleted)'."""
+    fields = maps_line.rstrip("\n").split(maxsplit=5)
+    path = fields[5] if len(fields) == 6 else ""
+    return path.removesuffix(" (deleted)") if path.startswith("/") else ""
+
+
 def _openmp_runtimes() -> list[ctypes.CDLL]:
     """The OpenMP runtimes loaded into this process: PyTorch's, and any that another wheel
     bundles (sentencepiece ships its own libgomp copy)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libgomp" in line or "/libomp" in line
-                     or "/libiomp" in line}
+            paths = {_mapped_path(line) for line in maps}
     except OSError:
         return []
+    paths = {p for p in paths if p and os.path.basename(p).startswith(_OPENMP_LIBRARIES)}
     runtimes = []
     for path in sorted(paths):
         try:
@@ -67,7 +78,11 @@ def _openmp_runtimes() -> list[ctypes.CDLL]:
 
 def release_openmp_threads() -> bool:
     """End the calling thread's OpenMP worker teams (see the module docstring); a later parallel
-    region on this thread would start a new one. False where no runtime offers a way to."""
+    region on this thread would start a new one. False where no runtime offers a way to.
+
+    That is libgomp's behaviour (PyTorch's wheels). LLVM's and Intel's runtimes, where a build of
+    PyTorch links one, share one pool of workers per process and only let the idle ones sleep;
+    there a second team never forms, so there is nothing to end."""
     released = False
     for lib in _openmp_runtimes():
         if lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0:

@@ -119,14 +119,21 @@ def test_wrong_api_key_is_one_clear_error(server, capsys):
 def test_sse_lines_splits_the_raw_stream_on_newlines():
     from kvflow.bench.serve_client import sse_lines
 
+    text = 'data: {"t": "é"}\r\n\r\ndata: [DONE]\n\ntrailing'.encode()
+    cut = text.index("é".encode()) + 1  # a chunk boundary inside a two-byte character
+
     class Response:  # the one method sse_lines reads
+        def __init__(self, pieces: list[bytes]) -> None:
+            self.pieces = pieces
+
         async def aiter_bytes(self):
-            text = 'data: {"t": "é"}\r\n\r\ndata: [DONE]\n\ntrailing'.encode()
-            cut = text.index("é".encode()) + 1  # a chunk boundary inside a two-byte character
-            for piece in (text[:cut], text[cut:cut + 9], text[cut + 9:]):
+            for piece in self.pieces:
                 yield piece
 
-    async def collect() -> list[bytes]:
-        return [line async for line in sse_lines(Response())]
+    async def collect(pieces: list[bytes]) -> list[bytes]:
+        return [line async for line in sse_lines(Response(pieces))]
 
-    assert asyncio.run(collect()) == ['data: {"t": "é"}'.encode(), b"", b"data: [DONE]", b"", b"trailing"]
+    want = ['data: {"t": "é"}'.encode(), b"", b"data: [DONE]", b"", b"trailing"]
+    assert asyncio.run(collect([text[:cut], text[cut:cut + 9], text[cut + 9:]])) == want
+    # one byte a chunk: lines spread over many chunks, \r and \n in different ones, empty chunks between
+    assert asyncio.run(collect([piece for i in range(len(text)) for piece in (text[i:i + 1], b"")])) == want

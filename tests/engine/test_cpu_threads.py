@@ -25,6 +25,7 @@ def run_python(code: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no affinity mask on this OS")
 def test_usable_cpus_follows_the_affinity_mask():
     assert usable_cpus() == len(os.sched_getaffinity(0))
 
@@ -36,6 +37,7 @@ def test_the_thread_count_is_set_on_the_calling_thread_only():
     def worker() -> None:
         seen["set"] = set_compute_threads(usable_cpus() + 1)
         seen["after"] = torch.get_num_threads()
+        set_compute_threads(before)  # torch also keeps the last count as the default for new threads
 
     thread = threading.Thread(target=worker)
     thread.start()
@@ -59,3 +61,14 @@ def test_release_ends_the_calling_threads_openmp_workers():
     before, with_team, after, released = out.split()
     assert int(with_team) == int(before) + 1  # the team's one worker besides this thread
     assert released == "True" and int(after) == int(before)
+
+
+def test_maps_lines_give_whole_paths_of_openmp_runtimes():
+    from kvflow.engine.cpu_threads import _OPENMP_LIBRARIES, _mapped_path
+
+    line = "7f00-7f01 r-xp 00000000 08:01 123   /opt/my libs/libgomp-a34b3233.so.1 (deleted)\n"
+    assert _mapped_path(line) == "/opt/my libs/libgomp-a34b3233.so.1"  # spaces kept, the mark dropped
+    assert _mapped_path("7f00-7f01 rw-p 00000000 00:00 0 \n") == ""  # anonymous memory
+    assert _mapped_path("7ffd-7ffe rw-p 00000000 00:00 0   [stack]\n") == ""
+    names = ["libgomp.so.1", "libomp.so", "libomp-6d5e1c2b.so", "libiomp5.so", "libomptarget.so"]
+    assert [n.startswith(_OPENMP_LIBRARIES) for n in names] == [True, True, True, True, False]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -137,3 +138,19 @@ def test_sse_lines_splits_the_raw_stream_on_newlines():
     assert asyncio.run(collect([text[:cut], text[cut:cut + 9], text[cut + 9:]])) == want
     # one byte a chunk: lines spread over many chunks, \r and \n in different ones, empty chunks between
     assert asyncio.run(collect([piece for i in range(len(text)) for piece in (text[i:i + 1], b"")])) == want
+
+
+def test_a_refused_connection_is_recorded_not_raised():
+    from kvflow.bench.serve_client import ServeRequest, completion_payload, httpx, send_request
+
+    with socket.socket() as s:  # a port nobody listens on once this socket closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            return await send_request(client, f"http://127.0.0.1:{port}/v1/completions",
+                                      completion_payload(ServeRequest([1, 2, 3], 3, 4), "m"))
+
+    record = asyncio.run(run())
+    assert not record.ok and record.error.startswith("ConnectError"), record.error

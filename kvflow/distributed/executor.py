@@ -62,7 +62,7 @@ class Executor(ABC):
     def worker_pids(self) -> list[int]:
         ...
 
-    # Per rank, what it said when ready: {"pid", "rank", "fused_stack"} (whether its layers run
+    # Per rank, what it said when ready: {"pid", "rank", "fused_stack", "all_reduce"} (whether its layers run
     # as one C++ call); filled at start-up.
     worker_info: list[dict]
 

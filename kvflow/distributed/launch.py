@@ -69,7 +69,9 @@ def launch(parallel: ParallelConfig, config: EngineConfig, path: str, model_conf
         executor = MPExecutor(spec, parallel.world_size, parallel.output_rank)
     seconds = time.perf_counter() - start
     fused = sum(bool(info.get("fused_stack")) for info in executor.worker_info)
+    sums = sorted({str(info.get("all_reduce")) for info in executor.worker_info if info.get("all_reduce")})
     logger.info("kvflow: %d workers (%s) ready in %.1f s, %d thread(s) each, %d running their layers as one "
-                "fused C++ call\n%s", parallel.world_size, parallel.describe(), seconds, threads, fused,
+                "fused C++ call%s\n%s", parallel.world_size, parallel.describe(), seconds, threads, fused,
+                f", tensor-parallel all-reduce over {'/'.join(sums)}" if sums else "",
                 describe_ranks(plans, parallel, model_config))
     return DistributedLaunch(executor, plan, plans, seconds)

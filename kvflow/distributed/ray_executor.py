@@ -47,7 +47,8 @@ class _RankActor:
         spec = dataclasses.replace(self.spec, init_method=init_method)
         state = init_parallel_state(self.rank, spec.parallel, init_method, timeout_s=spec.collective_timeout_s)
         self.runner = build_stage(spec, self.rank, state)
-        return {"pid": os.getpid(), "rank": self.rank, "fused_stack": self.runner.fused is not None}
+        return {"pid": os.getpid(), "rank": self.rank, "fused_stack": self.runner.fused is not None,
+                "all_reduce": state.all_reduce_method}
 
     def execute(self, msg: StepMessage) -> StepResult | None:
         return self.runner.execute(msg)

@@ -102,7 +102,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn, clock) -> None:
     except BaseException as exc:  # report why, then exit: the driver refuses to start
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    conn.send(("ready", {"pid": os.getpid(), "rank": rank, "fused_stack": runner.fused is not None}))
+    conn.send(("ready", {"pid": os.getpid(), "rank": rank, "fused_stack": runner.fused is not None,
+                         "all_reduce": state.all_reduce_method}))
     is_output = rank == spec.parallel.output_rank
     try:
         while True:

@@ -12,6 +12,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.layers import cpu_kernels
+from kvflow.distributed.shm_all_reduce import shm_all_reduce_supported
 from tests.conftest import assert_greedy_match, check_greedy_run
 from tests.distributed.conftest import NEW_TOKENS, engine_kwargs
 
@@ -36,6 +37,9 @@ def _run_layout(model, tp: int, pp: int) -> LLM:
     kernels = cpu_kernels.load()
     # T = 1: each stage's layers in one C++ call where the CPU has the float32 GEMM; T > 1: the modules
     assert fused == [tp == 1 and kernels is not None and kernels.has_gemm(torch.float32)] * (tp * pp)
+    # T > 1 on one host: the row-parallel sums go through shared memory (distributed/shm_all_reduce.py)
+    sums = [info["all_reduce"] for info in llm.engine.distributed.executor.worker_info]
+    assert sums == [None if tp == 1 else "shm" if shm_all_reduce_supported() else "gloo"] * (tp * pp)
     return llm
 
 

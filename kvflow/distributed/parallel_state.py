@@ -144,15 +144,17 @@ def open_shm_all_reduce(rank: int, ranks: list[int], group: "dist.ProcessGroup",
     dist.broadcast_object_list(names, src=ranks[0], group=group)  # after the creator made it
     if not creator and names[0] is not None:
         open_segment(names[0])
-    oks: list[bool | None] = [None] * len(ranks)
-    dist.all_gather_object(oks, shm is not None, group=group)  # also: every rank has attached
-    if shm is not None and creator:
-        shm.unlink()
+    try:
+        oks: list[bool | None] = [None] * len(ranks)
+        dist.all_gather_object(oks, shm is not None, group=group)  # also: every rank has attached
+    finally:  # the name goes once all have attached, or at once if that exchange failed: never left behind
+        if shm is not None and creator:
+            shm.unlink()
     if not all(oks):
         if shm is not None:
             shm.close()
-        logger.info("tensor-parallel all-reduce over gloo: the shared-memory segment was not usable (%s)",
-                    error or "another rank could not open it")
+        logger.warning("tensor-parallel all-reduce over gloo, not shared memory (%s): slower at every layer",
+                       error or "another rank could not open the segment")
         return None
     return shm
 

@@ -26,16 +26,9 @@ import numpy as np
 import torch
 
 SHM_DIR = "/dev/shm"
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _FLAG_STRIDE = 16  # int64s between two ranks' flags: 128 bytes, no two flags on one cache line
 _SPINS_BEFORE_YIELD = 2000
-
-
-def _shm_free_bytes() -> int:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 def shm_all_reduce_supported() -> bool:
@@ -52,28 +45,25 @@ class ShmAllReduce:
         self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
         self._flags_bytes = 8 * _FLAG_STRIDE * world
         size = self._flags_bytes + 2 * world * slot_bytes
-        if create and _shm_free_bytes() < 2 * size:  # a full tmpfs would kill a rank with SIGBUS mid-write
-            raise OSError(f"{SHM_DIR} has less than {2 * size} bytes free")
         # A plain file in /dev/shm, not multiprocessing.shared_memory: that one enrolls the segment
         # with a resource tracker that the spawned ranks share, which cannot count two users of a name.
         self.path = os.path.join(SHM_DIR, name)
         fd = os.open(self.path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
         try:
-            if create:
-                os.ftruncate(fd, size)
+            if create:  # every page now (ENOSPC here), never a SIGBUS at a first write mid-step
+                os.posix_fallocate(fd, 0, size)
             self._mmap = mmap.mmap(fd, size)
-        except OSError:
+        except BaseException:
             if create:
                 os.unlink(self.path)
             raise
         finally:
             os.close(fd)
-        if create:
-            self._mmap[:size] = bytes(size)  # every page now, not at a first write mid-step
         self._flags = np.ndarray((world * _FLAG_STRIDE,), dtype=np.int64, buffer=self._mmap)
         self._data = torch.frombuffer(self._mmap, dtype=torch.uint8, offset=self._flags_bytes,
                                       count=2 * world * slot_bytes)
         self._calls = 0
+        self._broken: str | None = None
 
     def unlink(self) -> None:
         """Remove the segment's name once every rank has attached (the mappings stay valid), so a
@@ -101,11 +91,26 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group in place; every rank gets the same bits."""
+        if self._broken is not None:  # a peer missed a call: the counters no longer line up
+            raise RuntimeError(self._broken)
         self._calls += 1
         call, parity = self._calls, self._calls % 2
         self._slot(parity, self.rank, x).copy_(x)
-        self._flags[self.rank * _FLAG_STRIDE] = call
+        # What this rank sums (bytes, dtype), beside its flag and per slot set like the slots: a
+        # rank already in the next call writes the other set's.
+        meta = 1 + 2 * parity
+        mine = self.rank * _FLAG_STRIDE
+        self._flags[mine + meta] = x.numel() * x.element_size()
+        self._flags[mine + meta + 1] = _DTYPE_CODES.get(x.dtype, 0)
+        self._flags[mine] = call
         self._wait_for(call)
+        for r in range(self.world):
+            theirs = r * _FLAG_STRIDE + meta
+            if (self._flags[theirs] != self._flags[mine + meta]
+                    or self._flags[theirs + 1] != self._flags[mine + meta + 1]):
+                self._broken = (f"tensor-parallel all-reduce: rank {r} summed {int(self._flags[theirs])} bytes "
+                                f"where rank {self.rank} summed {int(self._flags[mine + meta])} of {x.dtype}")
+                raise RuntimeError(self._broken)
         torch.add(self._slot(parity, 0, x), self._slot(parity, 1, x), out=x)
         for r in range(2, self.world):
             x.add_(self._slot(parity, r, x))
@@ -124,5 +129,6 @@ class ShmAllReduce:
                     deadline = time.monotonic() + self.timeout_s
                 elif spins % 256 == 0 and time.monotonic() > deadline:
                     missing = [r for r in range(self.world) if flags[r * stride] < call]
-                    raise RuntimeError(f"tensor-parallel all-reduce: rank(s) {missing} of the group did not arrive "
-                                       f"within {self.timeout_s:g} s")
+                    self._broken = (f"tensor-parallel all-reduce: rank(s) {missing} of the group did not arrive "
+                                    f"within {self.timeout_s:g} s")
+                    raise RuntimeError(self._broken)

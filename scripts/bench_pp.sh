@@ -87,9 +87,11 @@ print("(target: P=2 at least 0.85x T=1)")
 try:
     with open(os.path.join(results, "collectives.json")) as f:
         rows = json.load(f)
-    print(f"\n{'tokens':>7} {'all-reduce bytes':>17} {'all-reduce us':>14} {'send bytes':>11} {'send us':>9}")
+    print(f"\n{'tokens':>7} {'all-reduce bytes':>17} {'gloo us':>9} {'shm us':>8} {'send bytes':>11} {'send us':>9}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['bytes']:>17,} {r['all_reduce_us']:>14.1f} {r['send_recv_bytes']:>11,} {r['send_recv_us']:>9.1f}")
+        shm = r.get("shm_all_reduce_us")
+        shm = "-" if shm is None else f"{shm:.1f}"
+        print(f"{r['tokens']:>7} {r['bytes']:>17,} {r['all_reduce_us']:>9.1f} {shm:>8} {r['send_recv_bytes']:>11,} {r['send_recv_us']:>9.1f}")
 except (OSError, ValueError):
     print("\ncollectives: no result")
 print(f"\nJSON and logs in {results}")

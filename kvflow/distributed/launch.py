@@ -18,6 +18,7 @@ from kvflow.distributed.config import ParallelConfig
 from kvflow.distributed.executor import Executor, MPExecutor
 from kvflow.distributed.plan import describe_ranks, plan_ranks, shared_plan
 from kvflow.distributed.worker import WorkerSpec
+from kvflow.engine.cpu_threads import usable_cpus
 from kvflow.engine.memory_plan import KVCachePlan
 
 logger = logging.getLogger("kvflow")
@@ -34,10 +35,10 @@ class DistributedLaunch:
 def check_servable(parallel: ParallelConfig, config: EngineConfig, model_config: ModelConfig, quantization) -> None:
     """Refuse, before any process starts, what the distributed path does not run."""
     parallel.check_model(model_config)
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     if parallel.backend == "mp" and parallel.world_size > cores and os.environ.get("KVFLOW_OVERSUBSCRIBE") != "1":
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks, but this "
-                         f"machine has {cores} CPU cores (KVFLOW_OVERSUBSCRIBE=1 runs them anyway, sharing cores)")
+                         f"process may use {cores} CPU cores (KVFLOW_OVERSUBSCRIBE=1 runs them anyway, sharing cores)")
     if config.speculative_config is not None and config.speculative_config.method == "draft_model":
         raise ValueError("speculative_config: a draft model is not supported with the distributed executor yet "
                          "(the n-gram proposer is)")
@@ -54,7 +55,7 @@ def launch(parallel: ParallelConfig, config: EngineConfig, path: str, model_conf
                        kv_cache_memory=config.kv_cache_memory, memory_utilization=config.memory_utilization,
                        quantization=quantization, kv_cache_dtype=config.kv_cache_dtype)
     plan = shared_plan(plans)
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // parallel.world_size)
+    threads = config.num_threads or max(1, usable_cpus() // parallel.world_size)
     start = time.perf_counter()
 
     def spec(init_method: str) -> WorkerSpec:

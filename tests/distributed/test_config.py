@@ -53,3 +53,15 @@ def test_cli_flags_reach_the_engine_config(command):
     config = engine_config_from_args(args)
     assert (config.tensor_parallel_size, config.pipeline_parallel_size,
             config.distributed_executor_backend) == (2, 3, "mp")
+
+
+def test_more_ranks_than_usable_cores_are_refused(monkeypatch):
+    """The cores counted are the affinity mask's (`taskset`), not the machine's."""
+    from kvflow.distributed import launch
+
+    monkeypatch.delenv("KVFLOW_OVERSUBSCRIBE", raising=False)
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 1)
+    with pytest.raises(ValueError, match=r"= 2 ranks, but this process may use 1 CPU cores .*KVFLOW_OVERSUBSCRIBE=1"):
+        launch.check_servable(ParallelConfig(2), EngineConfig(), CFG, None)
+    monkeypatch.setenv("KVFLOW_OVERSUBSCRIBE", "1")
+    launch.check_servable(ParallelConfig(2), EngineConfig(), CFG, None)

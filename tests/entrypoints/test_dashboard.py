@@ -13,9 +13,11 @@ import base64
 import json
 import re
 import threading
+import time
 
 import numpy as np
 
+from kvflow.entrypoints.openai.dashboard import MIN_INTERVAL_S
 from tests.entrypoints.conftest import API_KEY, httpx
 
 
@@ -100,6 +102,9 @@ def test_running_request_is_listed_with_its_blocks(live_server):
     finally:
         worker.join(300)
     assert done.is_set() and live_server.wait_pool_free(10)
+    # read_frames took its 40 frames over ~4 s: on a slow machine the request can end just after
+    # the last one, whose snapshot pages share for MIN_INTERVAL_S. Ask once that has passed.
+    time.sleep(2 * MIN_INTERVAL_S)
     (after,) = read_frames(live_server.base_url, 1)
     assert after["stats"]["generation_tokens"] >= 160 and any(x > 0 for x in after["latency"]["tokens_per_s"])
     assert any(x is not None for x in after["latency"]["ttft_p50"])

@@ -45,7 +45,7 @@ class LiveServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    def wait_pool_free(self, timeout: float = 2.0) -> bool:
+    def wait_pool_free(self, timeout: float = 30.0) -> bool:
         """True once every KV block is back in the pool (idle cached blocks count as free)."""
         return wait_engine_idle(self.engine, timeout)
 

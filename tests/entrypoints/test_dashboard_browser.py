@@ -77,17 +77,20 @@ def test_page_draws_the_pool_while_a_request_runs(live_server, tmp_path):
     worker.start()
     try:
         assert started.wait(120), "the request never started streaming"
+        used_before = used_blocks_from_metrics(live_server.base_url, num_blocks)
         result = chromium("--dump-dom", url)
-        used = used_blocks_from_metrics(live_server.base_url, num_blocks)
+        used_after = used_blocks_from_metrics(live_server.base_url, num_blocks)
         assert result.returncode == 0, result.stderr[-2000:]
         drawn = drawn_counts(result.stdout)
         assert drawn.get("frames", 0) >= 1, f"the page drew no frame: {result.stdout[:500]}"
         assert drawn["blocks"] == num_blocks
         assert drawn["free"] + drawn["cached"] + drawn["in-use"] + drawn["shared"] == num_blocks
-        # The request grows by a block every 16 tokens: the drawn frame and the scrape are a
-        # moment apart, so allow a block or two of growth.
-        assert drawn["in-use"] + drawn["shared"] >= 1
-        assert abs(drawn["in-use"] + drawn["shared"] - used) <= 2, (drawn, used)
+        # The drawn cells agree exactly with the frame's own free-block count, and with the
+        # server's /metrics scraped before and after the page (the request only grows meanwhile:
+        # a block every 16 tokens; +-1 for the usage gauge's rounding).
+        held = drawn["in-use"] + drawn["shared"]
+        assert held >= 1 and held == num_blocks - drawn["stats-free"], drawn
+        assert used_before - 1 <= held <= used_after + 1, (drawn, used_before, used_after)
 
         shot = tmp_path / "dashboard.png"
         result = chromium("--window-size=1280,1000", f"--screenshot={shot}", url)

@@ -63,7 +63,7 @@ def test_greedy_text_stream_and_usage_match_in_process(split_server, offline_llm
         events = stream_events(http, {"prompt": prompt, "max_tokens": 24, "temperature": 0})
         assert events[-1] == "[DONE]"
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == out.outputs[0].text
-    assert wait_engine_idle(engine, 5.0), engine.get_stats()
+    assert wait_engine_idle(engine, 30), engine.get_stats()
 
 
 def test_stop_strings_logprobs_and_n(split_server, offline_llm):
@@ -107,7 +107,7 @@ def test_disconnect_aborts_in_the_core(split_server):
             seen += line.startswith("data: ")
             if seen >= 3:
                 break
-    assert wait_engine_idle(engine, 5.0), engine.get_stats()
+    assert wait_engine_idle(engine, 30), engine.get_stats()
 
 
 def test_stop_string_ends_the_request_in_the_core(split_server, offline_llm):
@@ -129,15 +129,16 @@ def test_stop_string_ends_the_request_in_the_core(split_server, offline_llm):
         streamed = stream_events(http, {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                                         "stop": [stop], "include_stop_str_in_output": include})
         assert "".join(json.loads(e)["choices"][0]["text"] for e in streamed[:-1]) == ref.text
-        assert wait_engine_idle(engine, 5.0), engine.get_stats()
-        # Two requests of ~len(ref) tokens each, plus a few steps before the aborts landed: not 2 x 1000.
-        assert engine.get_stats().generation_tokens - before < 2 * len(ref.token_ids) + 64
+        assert wait_engine_idle(engine, 30), engine.get_stats()
+        # Two requests of ~len(ref) tokens each, plus the steps before the aborts landed (a loaded
+        # machine may run a few hundred): not 2 x 1000.
+        assert engine.get_stats().generation_tokens - before < 2 * len(ref.token_ids) + 400
     # n > 1: a stop string ends each sample on its own (abort_sample in the core while the others go on).
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=24, stop=["e"])
     ref = offline_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
     got = completion(http, n=3, temperature=0.8, seed=5, max_tokens=24, stop=["e"])["choices"]
     assert [(c["text"], c["finish_reason"]) for c in got] == [(r.text, r.finish_reason) for r in ref]
-    assert wait_engine_idle(engine, 5.0), engine.get_stats()
+    assert wait_engine_idle(engine, 30), engine.get_stats()
 
 
 def test_wire_errors_and_params_cross_whole():

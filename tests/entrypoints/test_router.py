@@ -154,6 +154,16 @@ def test_shared_prefixes_stay_on_one_instance(cluster):
     assert http.get("/health").json()["status"] == "ok"
 
 
+def eventually(check, timeout: float = 10.0) -> bool:
+    """True once `check()` is, polled every 20 ms; False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def prefill_tokens(url: str) -> int:
     text = httpx.get(url + "/metrics").text
     return int(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvflow:prefill_tokens_total")))
@@ -169,7 +179,11 @@ def test_disaggregated_prefill_moves_the_prompt_blocks(cluster):
                            use_tqdm=False)[0].outputs[0].text
     before = prefill_tokens(procs[1][1])
     assert complete(http, http.pd_url, prompt)["choices"][0]["text"] == ref
+    # B's split-process core refreshes what its API process reports on an idle tick (50 ms):
+    # read until the request shows, then check what it shows.
+    assert eventually(lambda: prefill_tokens(procs[1][1]) != before)
     assert prefill_tokens(procs[1][1]) - before == 5
+    assert eventually(lambda: httpx.get(procs[1][1] + "/kv_transfer").json()["stats"]["blocks"] > 0)
     info = httpx.get(procs[1][1] + "/kv_transfer").json()
     assert info["kv_role"] == "kv_consumer" and info["stats"]["blocks"] == 4 and info["stats"]["failures"] == 0
     assert info["stats"]["chunks"] >= 1  # 2 when the consumer subscribed before the first prefill step ended

@@ -9,6 +9,7 @@ consumer compute the prompt itself, with the same output and its pool whole.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -77,7 +78,9 @@ def test_blocks_stream_while_the_prompt_is_computed(engines):
 def test_the_consumer_computes_the_prompt_when_no_blocks_come(engines, monkeypatch, where):
     prod, cons, ref_engine = engines
     monkeypatch.setattr(producer, "GRACE_S", 0.5)
-    monkeypatch.setattr(consumer, "SILENCE_S", 0.5)
+    # With a producer, its refusal after GRACE_S is what must end the wait, not the consumer's own
+    # silence limit (heartbeats come every 0.25 s; a stalled CI machine may miss one).
+    monkeypatch.setattr(consumer, "SILENCE_S", 0.5 if where == "no producer" else 5.0)
     prompt = [t + 1 + (where == "no producer") for t in PROMPT]  # cached nowhere yet
     addr = prod.kv_connector.address if where == "no prefill" else "tcp://127.0.0.1:9"
     before = cons.kv_connector.stats.failures
@@ -91,4 +94,7 @@ def test_the_consumer_computes_the_prompt_when_no_blocks_come(engines, monkeypat
     ref, out = asyncio.run(main())
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids and out.num_cached_tokens == 0
     assert cons.kv_connector.stats.failures == before + 1
+    deadline = time.monotonic() + 5  # the producer drops the subscription at its next tick
+    while prod.kv_connector._subs and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert pool_whole(cons) and not prod.kv_connector._subs

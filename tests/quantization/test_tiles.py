@@ -77,6 +77,30 @@ def test_tiles_are_batch_invariant(lib, which):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
 
 
+@pytest.mark.parametrize("which", ["int8", "int8 g256", "int8 g256 with offsets", "int4 g256"])
+def test_long_group_tiles_are_batch_invariant(lib, which):
+    """Groups of 8 k tiles or more (int8 per channel at K = 512: 16) take their own path at each
+    size on AMX: 17-32 rows keep every sum tile of a column chunk in flight at once. Rows there
+    equal the rows alone and in a prefill-sized call, and the sums stay within float32 error of
+    the dequantized weight (ragged N: 104 columns leave a chunk of one column tile)."""
+    _, tile_lib = lib
+    n, k = 104, 512
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.1
+    qw = {"int8": lambda: methods.quantize_int8(w), "int8 g256": lambda: methods.quantize_int8(w, 256),
+          "int4 g256": lambda: methods.quantize_int4(w, 256),
+          "int8 g256 with offsets": lambda: QuantizedWeight(
+              *[getattr(methods.quantize_int8(w, 256), f) for f in ("qweight", "scales")],
+              torch.randn(n, k // 256, generator=torch.Generator().manual_seed(6)) * 0.01, 8, 256, k, which)}[which]()
+    t = tiles.pack(qw, lib=tile_lib)
+    op = tiles.prepare(t, float32_out=True, lib=tile_lib)
+    x = torch.randn(80, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    whole = op(x)
+    for rows in (slice(0, 1), slice(0, 16), slice(0, 17), slice(3, 27), slice(8, 40), slice(2, 34), slice(5, 70)):
+        assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    _check(op, tiles.prepare(t, lib=tile_lib), tiles.prepare(t, bias, lib=tile_lib), qw, x[3:27].contiguous(), bias)
+
+
 @pytest.mark.parametrize("which", [0, 3])  # int8 per channel, int4
 def test_tiles_rows_past_a_panel_are_batch_invariant(lib, which):
     """On AMX a prefill-sized call runs in row panels (320 rows at K = 1,536): rows of the second

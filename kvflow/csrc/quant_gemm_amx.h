@@ -6,8 +6,7 @@
 // groups of a multiple of 32 inputs; others run the vector kernel, a per-layer choice). The
 // quants become bf16 B tiles (the integers exactly), unpacked a few k tiles ahead of the products
 // (UnpackAhead): into a ring at 1-32 rows, into a whole column tile at more, which the row panel's
-// later row tiles read from L1/L2 (Unpacked; long groups at prefill sizes unpack whole column
-// tiles first, store_tile). The scale and offset FMAs are the vector kernel's,
+// later row tiles read from L1/L2 (Unpacked). The scale and offset FMAs are the vector kernel's,
 // in its order, on accumulators held in registers. As in gemm_amx.h, the tile unit's sums round
 // otherwise than vdpbf16ps's chain, and a row's result depends on nothing but its own x row:
 // batch- and thread-invariant (every blocking below runs the same chain of tile products and
@@ -215,11 +214,11 @@ struct RowAccumulators {
     }
 };
 
-// Prefill-sized calls (over 32 rows) of weights with long groups (int8 per channel: one group)
-// run 2 x 2 tiles, which share their loads (one per product, against 1.5), and store each
-// group's sums after it: int8 at 512 rows 56 ms for the model's layers, against 61 two row
-// tiles at a time. Short groups (int4's 32) keep two groups in flight instead: at 128 rows 39
-// against 47-48 ms (scripts/kernel_microbench.py layers).
+// Calls of more than 16 rows with long groups (int8 per channel: one group) run 2 x 2 tiles
+// (ring_block), which share their loads (one per product, against 1.5) and keep four chains of
+// products in flight, storing each group's sums after it: int8 at 512 rows 56 ms for the
+// model's layers, against 61 two row tiles at a time. Short groups (int4's 32) keep two groups
+// in flight instead: at 128 rows 39 against 47-48 ms (scripts/kernel_microbench.py layers).
 constexpr int64_t kBlockedGroupTiles = 8;
 
 // Out: BF16 (bias bf16) or F32 (bias float32). Returns 0, or -4 out of memory.
@@ -287,31 +286,7 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                     store(acc0, j, r);
                     store(acc1, j, r + 16);
                 };
-                if (m > 16 && m <= 32 && tiles_per_group >= kBlockedGroupTiles) {
-                    // 17-32 rows, long groups: every sum tile of the chunk in flight at once (int8
-                    // layers at 32 rows 14.7 -> 10.0 ms; at 16 rows and fewer the weight's stream
-                    // and unpacking bound the call, and four chains gained nothing there).
-                    alignas(64) uint16_t rings[2][4][512];
-                    UnpackAhead<Bits> b0(w.q + tile0 * bytes, k_tiles, rings[0][0], 4);
-                    UnpackAhead<Bits> b1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, rings[1][0], 4);
-                    const int m0 = static_cast<int>(std::min<int64_t>(16, m)), m1 = static_cast<int>(m) - m0;
-                    const uint16_t* a1 = m1 > 0 ? a.at(16) : nullptr;
-                    const int64_t s1 = m1 > 0 ? a.stride(16) : 0;
-                    Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
-                    for (int64_t g = 0; g < groups; ++g) {
-                        const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
-                        if (m1 > 0 && nt == 2) ring_block<2, 2>(a.at(0), a.stride(0), a1, s1, b0, &b1, kt0, kt1, sums);
-                        else if (m1 > 0) ring_block<2, 1>(a.at(0), a.stride(0), a1, s1, b0, &b1, kt0, kt1, sums);
-                        else if (nt == 2) ring_block<1, 2>(a.at(0), a.stride(0), a1, s1, b0, &b1, kt0, kt1, sums);
-                        else ring_block<1, 1>(a.at(0), a.stride(0), a1, s1, b0, &b1, kt0, kt1, sums);
-                        for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
-                            for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, 16 * i);
-                    }
-                    for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
-                        for (int j = 0; j < nt; ++j) store(acc[i][j], j, 16 * i);
-                    continue;
-                }
-                if (m <= 32) {
+                if (m <= 16 || (m <= 32 && tiles_per_group < kBlockedGroupTiles)) {  // a row tile or pair
                     alignas(64) uint16_t ring[4][512];
                     for (int j = 0; j < nt; ++j) {
                         UnpackAhead<Bits> source(w.q + (tile0 + j) * bytes, k_tiles, ring[0], 4);
@@ -320,17 +295,35 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                     continue;
                 }
                 const int64_t p1 = std::min(m, p0 + panel);
-                if (tiles_per_group >= kBlockedGroupTiles && m > 32) {
-                    // Prefill sizes, long groups (int8 per channel): 2 x 2 tiles share their
-                    // loads, the sums stored once per group.
-                    for (int t = 0; t < nt; ++t) store_tile<Bits>(w.q + (tile0 + t) * bytes, k, tiles + t * tile_stride);
-                    tile_operands_stored();
+                if (tiles_per_group >= kBlockedGroupTiles) {
+                    // Long groups (int8 per channel), 17 rows and more: both row tiles of a pair
+                    // against both column tiles at once (ring_block). The panel's first pair
+                    // unpacks the columns as it goes: into rings when it is the only pair, else
+                    // whole, for the later pairs to reread.
+                    alignas(64) uint16_t rings[2][4][512];
+                    const bool reread = p1 - p0 > 32;
+                    uint16_t* col0 = reread ? tiles : rings[0][0];
+                    uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
+                    const int64_t ring = reread ? k_tiles : 4;
+                    UnpackAhead<Bits> first0(w.q + tile0 * bytes, k_tiles, col0, ring);
+                    UnpackAhead<Bits> first1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, col1, ring);
+                    Unpacked again0{col0}, again1{col1};
                     for (int64_t r = p0; r < p1; r += 32) {
                         const int64_t rows = std::min<int64_t>(32, p1 - r);
                         const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
+                        const uint16_t* a1 = m1 > 0 ? a.at(r + 16) : nullptr;
+                        const int64_t s1 = m1 > 0 ? a.stride(r + 16) : 0;
+                        auto pair_sums = [&](auto& b0, auto& b1, int64_t kt0, int64_t kt1) {
+                            if (m1 > 0 && nt == 2) ring_block<2, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+                            else if (m1 > 0) ring_block<2, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+                            else if (nt == 2) ring_block<1, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+                            else ring_block<1, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+                        };
                         Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
                         for (int64_t g = 0; g < groups; ++g) {
-                            a.block(r, rows, nt == 2, tiles, tile_stride, g * tiles_per_group, (g + 1) * tiles_per_group, sums);
+                            const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
+                            if (r == p0) pair_sums(first0, first1, kt0, kt1);
+                            else pair_sums(again0, again1, kt0, kt1);
                             for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
                                 for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
                         }

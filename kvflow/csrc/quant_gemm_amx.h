@@ -146,12 +146,15 @@ inline void group_sums_2(const uint16_t* x0, int64_t stride0, const uint16_t* x1
     done(groups - 1);
 }
 
-// Long groups (int8 per channel) at decode sizes, up to 32 rows: MT row tiles against NT column
-// tiles at once, B tiles from rings unpacked ahead (b1: the second column's, NT = 2). Each sum
-// tile is a chain whose every product waits on the previous one's sums, so one chain at a time
-// (a column tile after the other, as group_sums does) leaves the tile unit waiting; MT x NT
-// chains keep up to four products in flight. Same products in the same order per sum tile:
-// the same bits. sums[2i + j]: row tile i, column tile j, over k tiles [kt0, kt1).
+// Long groups (int8 per channel) from 17 rows: MT row tiles against NT column tiles at once, B
+// tiles from `Source` (UnpackAhead, unpacking a few k tiles ahead into a ring or a whole column,
+// or Unpacked, rereading a column; b1 is the second column's when NT = 2). Each sum tile is a
+// chain whose every product waits on the previous one's sums, so one chain at a time (a column
+// tile after the other, as group_sums does) leaves the tile unit waiting; MT x NT chains keep up
+// to four products in flight. Same products in the same order per sum tile: the same bits.
+// sums[2i + j]: row tile i, column tile j, over k tiles [kt0, kt1). (gemm_amx.h's amx_block has
+// the same loop over packed bf16 tiles; one template for both slowed the bf16 GEMM by 4-8 % at
+// 1 and 128 rows in an alternated run, so they stay two.)
 template <int MT, int NT, typename Source>
 inline void ring_block(const uint16_t* a0, int64_t a0_stride, const uint16_t* a1, int64_t a1_stride, Source& b0,
                        Source* b1, int64_t kt0, int64_t kt1, float (*sums)[16][16]) {

@@ -15,7 +15,7 @@ import pytest
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.model_runner import SampledTokens, StepOutput
 from kvflow.engine.sequence import SequenceStatus
-from tests.engine.test_scheduler import Harness, expected_outputs, load
+from tests.engine.scheduler_harness import Harness, expected_outputs, load
 
 
 class FakePipelineRunner:

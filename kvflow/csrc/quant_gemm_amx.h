@@ -1,16 +1,18 @@
-// Weight-only quantized GEMM with bf16 activations on AMX tiles: quant_gemm_bf16.cpp's sums
+// Weight-only quantized GEMM with bf16 activations on AMX tiles, for long groups (int8 per
+// channel; any group of 256 inputs or more): quant_gemm_bf16.cpp's sums
 //
 //     y[m, n] = sum over groups g of  s[g, n] * A[m, g, n] + o'[g, n] * X[m, g]   (+ bias)
 //
-// with each group's integer-weight dot products A from TDPBF16PS over the group's k tiles (so
-// groups of a multiple of 32 inputs; others run the vector kernel, a per-layer choice). The
+// with each group's integer-weight dot products A from TDPBF16PS over the group's k tiles. The
 // quants become bf16 B tiles (the integers exactly), unpacked a few k tiles ahead of the products
 // (UnpackAhead): into a ring at 1-32 rows, into a whole column tile at more, which the row panel's
 // later row tiles read from L1/L2 (Unpacked). The scale and offset FMAs are the vector kernel's,
-// in its order, on accumulators held in registers. As in gemm_amx.h, the tile unit's sums round
-// otherwise than vdpbf16ps's chain, and a row's result depends on nothing but its own x row:
-// batch- and thread-invariant (every blocking below runs the same chain of tile products and
-// FMAs per row; tests/quantization/test_tiles.py checks rows alone against rows in a batch).
+// in its order, on accumulators held in registers. Shorter groups (int4's 32, GGUF's blocks) pay
+// those FMAs every k tile or few, as much vector work as the tile products take: they multiply
+// the dequantized weights instead (quant_gemm_amx_folded.h). As in gemm_amx.h, the tile unit's
+// sums round otherwise than vdpbf16ps's chain, and a row's result depends on nothing but its own
+// x row: batch- and thread-invariant (every blocking below runs the same chain of tile products
+// and FMAs per row; tests/quantization/test_tiles.py checks rows alone against rows in a batch).
 #pragma once
 
 #include <algorithm>
@@ -27,9 +29,9 @@
 namespace kvflow {
 
 // B tiles of one column tile unpacked from its quants kAhead k tiles before the tile unit needs
-// them, into a ring of kSlots, so the unpacking overlaps the tile products and the stream from
-// memory. At one row, against unpacking whole column tiles first: int4 (groups of 32) 1.95x ->
-// 1.4x the vector kernel's time, int8 (per channel) 1.35x -> 0.93-1.07x.
+// them, into a ring of `ring` tiles, so the unpacking overlaps the tile products and the stream
+// from memory. At one row, against unpacking whole column tiles first: int8 (per channel) 1.35x
+// -> 0.93-1.07x the vector kernel's time.
 template <int Bits>
 struct UnpackAhead {
     static constexpr int64_t kAhead = 3;
@@ -103,52 +105,10 @@ inline void group_sums(const uint16_t* x, int64_t x_stride, Source& b, int64_t g
     for (int64_t g = std::max<int64_t>(0, groups - 3); g < groups; ++g) done(g);
 }
 
-// Two row tiles (x0's and x1's 16 rows) against one column tile, each B tile loaded once for
-// both: two groups in flight in sum tiles 0-1 and 2-3, `finish(g, sums of x0, sums of x1)`.
-// Calls of 17-32 rows thus stream the weight once with the products overlapping it, where a
-// second pass over the unpacked column tile ran after the stream (int8 at 32 rows: 7.4 ms for
-// the model's layers, about twice the 16-row time).
-template <typename Source, typename Finish>
-inline void group_sums_2(const uint16_t* x0, int64_t stride0, const uint16_t* x1, int64_t stride1, Source& b,
-                         int64_t groups, int64_t tiles_per_group, float (*sums)[16][16], Finish&& finish) {
-    const int64_t bytes0 = stride0 * 2, bytes1 = stride1 * 2;
-#define KVFLOW_AMX_GROUP2(C0, C1, B)                                                   \
-    [&](int64_t g) {                                                                   \
-        _tile_zero(C0);                                                                \
-        _tile_zero(C1);                                                                \
-        for (int64_t kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; ++kt) { \
-            _tile_loadd(B, b.tile(kt), 64);                                            \
-            _tile_loadd(4, x0 + kt * 32, bytes0);                                      \
-            _tile_dpbf16ps(C0, 4, B);                                                  \
-            _tile_loadd(5, x1 + kt * 32, bytes1);                                      \
-            _tile_dpbf16ps(C1, 5, B);                                                  \
-            b.loaded(kt);                                                              \
-        }                                                                              \
-    }
-    auto group0 = KVFLOW_AMX_GROUP2(0, 1, 6);
-    auto group1 = KVFLOW_AMX_GROUP2(2, 3, 7);
-#undef KVFLOW_AMX_GROUP2
-    auto done = [&](int64_t g) {
-        if (g & 1) {
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
-            finish(g, sums[2], sums[3]);
-        } else {
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-            finish(g, sums[0], sums[1]);
-        }
-    };
-    for (int64_t g = 0; g < groups; ++g) {
-        (g & 1) ? group1(g) : group0(g);
-        if (g >= 1) done(g - 1);
-    }
-    done(groups - 1);
-}
-
-// Long groups (int8 per channel) from 17 rows: MT row tiles against NT column tiles at once, B
-// tiles from `Source` (UnpackAhead, unpacking a few k tiles ahead into a ring or a whole column,
-// or Unpacked, rereading a column; b1 is the second column's when NT = 2). Each sum tile is a
+// Long groups from 17 rows, and folded weights at every size (quant_gemm_amx_folded.h): MT row
+// tiles against NT column tiles at once, B tiles from `Source` (UnpackAhead or FoldAhead, a few
+// k tiles ahead into a ring or a whole column, or Unpacked, rereading a column; b1 is the second
+// column's when NT = 2). Each sum tile is a
 // chain whose every product waits on the previous one's sums, so one chain at a time (a column
 // tile after the other, as group_sums does) leaves the tile unit waiting; MT x NT chains keep up
 // to four products in flight. Same products in the same order per sum tile: the same bits.
@@ -183,6 +143,19 @@ inline void ring_block(const uint16_t* a0, int64_t a0_stride, const uint16_t* a1
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, sums[3], 64);
 }
 
+// Rows [r, r + rows) of x (up to two row tiles) against the chunk's nt column tiles over k tiles
+// [kt0, kt1): ring_block at the shape they make, sums[2i + j] as there.
+template <typename Source>
+inline void pair_block(const AmxRows& a, int64_t r, int64_t rows, int nt, Source& b0, Source& b1, int64_t kt0,
+                       int64_t kt1, float (*sums)[16][16]) {
+    const uint16_t* a1 = rows > 16 ? a.at(r + 16) : nullptr;
+    const int64_t s1 = rows > 16 ? a.stride(r + 16) : 0;
+    if (rows > 16 && nt == 2) ring_block<2, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+    else if (rows > 16) ring_block<2, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+    else if (nt == 2) ring_block<1, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+    else ring_block<1, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+}
+
 // A row tile's outputs for one column tile, in registers across the groups: per group and row
 // acc = sums * s + acc, then + X[row, g] * o' (the vector kernel's two FMAs, in its order).
 // Held in memory they cost a load and a store per FMA pair: int4 at 32 rows ran 1.7x its time
@@ -196,10 +169,11 @@ struct RowAccumulators {
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     }
-    // sum: the group's stored sums; xs: X[first row, g], the next row's `groups` further on.
-    inline void add(const float (*sum)[16], const float* s, const float* o, const float* xs, int64_t groups) {
+    // sum: the group's stored sums; xs: X[first row, g], the next row's `groups` further on;
+    // o: the stored offsets (bits: integer_offset makes them o').
+    inline void add(const float (*sum)[16], int bits, const float* s, const float* o, const float* xs, int64_t groups) {
         const __m512 sj = _mm512_loadu_ps(s);
-        const __m512 oj = Offsets ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+        const __m512 oj = Offsets ? integer_offset(bits, sj, _mm512_loadu_ps(o)) : _mm512_setzero_ps();
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) {
             if (i >= rows) break;
@@ -217,12 +191,11 @@ struct RowAccumulators {
     }
 };
 
-// Calls of more than 16 rows with long groups (int8 per channel: one group) run 2 x 2 tiles
-// (ring_block), which share their loads (one per product, against 1.5) and keep four chains of
-// products in flight, storing each group's sums after it: int8 at 512 rows 56 ms for the
-// model's layers, against 61 two row tiles at a time. Short groups (int4's 32) keep two groups
-// in flight instead: at 128 rows 39 against 47-48 ms (scripts/kernel_microbench.py layers).
-constexpr int64_t kBlockedGroupTiles = 8;
+// Calls of more than 16 rows run 2 x 2 tiles (ring_block), which share their loads (one per
+// product, against 1.5) and keep four chains of products in flight, storing each group's sums
+// after it: int8 at 512 rows 56 ms for the model's layers, against 61 two row tiles at a time
+// (scripts/kernel_microbench.py layers).
+constexpr int64_t kBlockedGroupTiles = 8;  // groups of fewer k tiles: quant_gemm_amx_folded.h
 
 // Out: BF16 (bias bf16) or F32 (bias float32). Returns 0, or -4 out of memory.
 template <typename Out, int Bits, bool Offsets>
@@ -264,86 +237,48 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                 // acc += group g's sums for column tile j, rows from `row`, scaled and offset.
                 auto add = [&](Acc& acc, const float (*sum)[16], int j, int64_t g, int64_t row) {
                     const int64_t at = ((tile0 + j) * groups + g) * kTileCols;
-                    acc.add(sum, w.scales + at, Offsets ? w.offsets + at : nullptr,
+                    acc.add(sum, Bits, w.scales + at, Offsets ? w.offsets + at : nullptr,
                             Offsets ? xsums + row * groups + g : nullptr, groups);
                 };
                 auto store = [&](const Acc& acc, int j, int64_t row) {
                     acc.write(StoreRow<Out>{y + row * y_stride, y_stride, n0, n, bias}, j);
                 };
-                // One row tile (rows from r) against column tile j, B tiles from `source`.
-                auto row_tile = [&](int64_t r, int rows, int j, auto& source) {
-                    Acc acc(rows);
-                    group_sums(a.at(r), a.stride(r), source, groups, tiles_per_group, sums,
-                               [&](int64_t g, const float(*sum)[16]) { add(acc, sum, j, g, r); });
-                    store(acc, j, r);
-                };
-                // Up to two row tiles (rows from r, at most 32) sharing each B tile from `source`.
-                auto row_pair = [&](int64_t r, int rows, int j, auto& source) {
-                    if (rows <= 16) return row_tile(r, rows, j, source);
-                    Acc acc0(16), acc1(rows - 16);
-                    group_sums_2(a.at(r), a.stride(r), a.at(r + 16), a.stride(r + 16), source, groups, tiles_per_group,
-                                 sums, [&](int64_t g, const float(*sum0)[16], const float(*sum1)[16]) {
-                                     add(acc0, sum0, j, g, r);
-                                     add(acc1, sum1, j, g, r + 16);
-                                 });
-                    store(acc0, j, r);
-                    store(acc1, j, r + 16);
-                };
-                if (m <= 16 || (m <= 32 && tiles_per_group < kBlockedGroupTiles)) {  // a row tile or pair
+                if (m <= 16) {  // one row tile, a column tile at a time, four groups in flight
                     alignas(64) uint16_t ring[4][512];
                     for (int j = 0; j < nt; ++j) {
                         UnpackAhead<Bits> source(w.q + (tile0 + j) * bytes, k_tiles, ring[0], 4);
-                        row_pair(0, static_cast<int>(m), j, source);
+                        Acc acc(static_cast<int>(m));
+                        group_sums(a.at(0), a.stride(0), source, groups, tiles_per_group, sums,
+                                   [&](int64_t g, const float(*sum)[16]) { add(acc, sum, j, g, 0); });
+                        store(acc, j, 0);
                     }
                     continue;
                 }
+                // 17 rows and more: both row tiles of a pair against both column tiles at once
+                // (ring_block). The panel's first pair unpacks the columns as it goes: into rings
+                // when it is the only pair, else whole, for the later pairs to reread.
                 const int64_t p1 = std::min(m, p0 + panel);
-                if (tiles_per_group >= kBlockedGroupTiles) {
-                    // Long groups (int8 per channel), 17 rows and more: both row tiles of a pair
-                    // against both column tiles at once (ring_block). The panel's first pair
-                    // unpacks the columns as it goes: into rings when it is the only pair, else
-                    // whole, for the later pairs to reread.
-                    alignas(64) uint16_t rings[2][4][512];
-                    const bool reread = p1 - p0 > 32;
-                    uint16_t* col0 = reread ? tiles : rings[0][0];
-                    uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
-                    const int64_t ring = reread ? k_tiles : 4;
-                    UnpackAhead<Bits> first0(w.q + tile0 * bytes, k_tiles, col0, ring);
-                    UnpackAhead<Bits> first1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, col1, ring);
-                    Unpacked again0{col0}, again1{col1};
-                    for (int64_t r = p0; r < p1; r += 32) {
-                        const int64_t rows = std::min<int64_t>(32, p1 - r);
-                        const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
-                        const uint16_t* a1 = m1 > 0 ? a.at(r + 16) : nullptr;
-                        const int64_t s1 = m1 > 0 ? a.stride(r + 16) : 0;
-                        auto pair_sums = [&](auto& b0, auto& b1, int64_t kt0, int64_t kt1) {
-                            if (m1 > 0 && nt == 2) ring_block<2, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-                            else if (m1 > 0) ring_block<2, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-                            else if (nt == 2) ring_block<1, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-                            else ring_block<1, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-                        };
-                        Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
-                        for (int64_t g = 0; g < groups; ++g) {
-                            const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
-                            if (r == p0) pair_sums(first0, first1, kt0, kt1);
-                            else pair_sums(again0, again1, kt0, kt1);
-                            for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
-                                for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
-                        }
+                alignas(64) uint16_t rings[2][4][512];
+                const bool reread = p1 - p0 > 32;
+                uint16_t* col0 = reread ? tiles : rings[0][0];
+                uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
+                const int64_t ring = reread ? k_tiles : 4;
+                UnpackAhead<Bits> first0(w.q + tile0 * bytes, k_tiles, col0, ring);
+                UnpackAhead<Bits> first1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, col1, ring);
+                Unpacked again0{col0}, again1{col1};
+                for (int64_t r = p0; r < p1; r += 32) {
+                    const int64_t rows = std::min<int64_t>(32, p1 - r);
+                    const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
+                    Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
+                    for (int64_t g = 0; g < groups; ++g) {
+                        const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
+                        if (r == p0) pair_block(a, r, rows, nt, first0, first1, kt0, kt1, sums);
+                        else pair_block(a, r, rows, nt, again0, again1, kt0, kt1, sums);
                         for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
-                            for (int j = 0; j < nt; ++j) store(acc[i][j], j, r + 16 * i);
+                            for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
                     }
-                    continue;
-                }
-                // 32 rows at a time, two row tiles sharing each B tile; the first pair unpacks
-                // the column tile as it goes, for the others to read.
-                for (int j = 0; j < nt; ++j) {
-                    uint16_t* column = tiles + j * tile_stride;
-                    UnpackAhead<Bits> first(w.q + (tile0 + j) * bytes, k_tiles, column, k_tiles);
-                    Unpacked unpacked{column};
-                    row_pair(p0, static_cast<int>(std::min<int64_t>(32, p1 - p0)), j, first);
-                    for (int64_t r = p0 + 32; r < p1; r += 32)
-                        row_pair(r, static_cast<int>(std::min<int64_t>(32, p1 - r)), j, unpacked);
+                    for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
+                        for (int j = 0; j < nt; ++j) store(acc[i][j], j, r + 16 * i);
                 }
             }
         }

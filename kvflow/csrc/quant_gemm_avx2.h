@@ -22,12 +22,12 @@
 
 namespace kvflow {
 
-// A quantized weight in tiles (kvflow_pack_quant_tiles): quants, per-group scales and o'.
+// A quantized weight in tiles (kvflow_pack_quant_tiles): quants, per-group scales and offsets.
 struct QuantTileWeight {
     int bits;
     const uint8_t* q;
     const float* scales;   // [tiles][groups][16]
-    const float* offsets;  // o', the same shape, or null
+    const float* offsets;  // o (quant_gemm_bf16.cpp), the same shape, or null
     int64_t group, k;
     int64_t groups() const { return k / group; }
 };
@@ -129,7 +129,7 @@ inline float avx2_group_sum(const uint16_t* x, int64_t group) {
 constexpr int64_t kGroupBatch = 16;
 
 template <int MT, int NT, bool Offsets, typename GroupDots, typename T>
-inline void avx2_quant_block(int64_t groups, const float* sums, const float* scales, const float* offsets,
+inline void avx2_quant_block(int bits, int64_t groups, const float* sums, const float* scales, const float* offsets,
                              GroupDots group_dots, const T* bias, T* y, int64_t y_stride, int64_t cols) {
     alignas(32) float out[MT][2 * NT][8] = {};
     alignas(32) float dots[kGroupBatch][MT][2 * NT][8];
@@ -158,10 +158,16 @@ inline void avx2_quant_block(int64_t groups, const float* sums, const float* sca
                 _mm_prefetch(reinterpret_cast<const char*>(scales + at + 2048), _MM_HINT_T1);
                 if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(offsets + at + 2048), _MM_HINT_T1);
                 const __m256 s = _mm256_loadu_ps(scales + at);
+                // o' (quant_gemm_bf16.cpp): o - 128 s for 4 bits, one rounding as on AVX-512.
+                __m256 o_prime = _mm256_setzero_ps();
+                if constexpr (Offsets) {
+                    o_prime = _mm256_loadu_ps(offsets + at);
+                    if (bits == 4) o_prime = _mm256_fnmadd_ps(_mm256_set1_ps(128.f), s, o_prime);
+                }
                 for (int m = 0; m < MT; ++m) {
                     __m256 o = _mm256_fmadd_ps(_mm256_load_ps(dots[g - g0][m][i]), s, _mm256_load_ps(out[m][i]));
                     if constexpr (Offsets)
-                        o = _mm256_fmadd_ps(_mm256_broadcast_ss(sums + m * groups + g), _mm256_loadu_ps(offsets + at), o);
+                        o = _mm256_fmadd_ps(_mm256_broadcast_ss(sums + m * groups + g), o_prime, o);
                     _mm256_store_ps(out[m][i], o);
                 }
             }
@@ -239,7 +245,7 @@ int quant_gemm_avx2(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
             constexpr int MT = decltype(mt)::value, NT = decltype(nt)::value;
             const int64_t col = n0 + t * kTileCols, cols = std::min<int64_t>(NT * kTileCols, n - col);
             const int64_t at = (tile0 + t) * groups * kTileCols;
-            avx2_quant_block<MT, NT, Offsets>(groups, Offsets ? sums + r * groups : nullptr, w.scales + at,
+            avx2_quant_block<MT, NT, Offsets>(Bits, groups, Offsets ? sums + r * groups : nullptr, w.scales + at,
                                               Offsets ? w.offsets + at : nullptr, dots,
                                               bias != nullptr ? bias + col : nullptr, y + r * y_stride + col, y_stride,
                                               cols);

@@ -7,12 +7,13 @@
 // which is sum_k x[m, k] * (q[k, n] * s + o) in float32, group by group: the weights are the
 // exact dequantized ones, never rounded to bf16. v is the integer as a bf16 (exact: 8 bits fit
 // its significand): for int8, v = q and o' = o; for 4 bits, v = 128 + q, whose bf16 bits are
-// 0x4300 | q, and o' = o - 128 s (made at pack time). So a 4-bit weight becomes vdpbf16ps's
-// operand in one bitwise operation and an int8 one in 2.5 (sign-extend, convert, pack), where
-// dequantizing it in float32 and rounding it to bf16 (this kernel's first version) took ~11 and
-// ~7: that made decode compute-bound, no faster than bf16 for 4 bits. The cost is the group's
-// scale and offset, two FMAs per 16 columns and group: ~12 % more FMA work than the bf16 GEMM
-// at groups of 32, nothing at one group per row (kvflow's int8).
+// 0x4300 | q, and o' = o - 128 s (integer_offset: one rounding, 128 s being exact). So a 4-bit
+// weight becomes vdpbf16ps's operand in one bitwise operation and an int8 one in 2.5
+// (sign-extend, convert, pack), where dequantizing it in float32 and rounding it to bf16 (this
+// kernel's first version) took ~11 and ~7: that made decode compute-bound, no faster than bf16
+// for 4 bits. The cost is the group's scale and offset, two FMAs per 16 columns and group:
+// ~12 % more FMA work than the bf16 GEMM at groups of 32, nothing at one group per row
+// (kvflow's int8).
 //
 // Every row's result is the same chain of operations whatever M is and whichever path runs it
 // (quants unpacked in registers for up to kUnpackedRows rows, or unpacked once per call into a
@@ -31,7 +32,9 @@
 //            bits 4: 32 bytes per two steps: byte e = step 2b's element e (low nibble) | step
 //            2b + 1's (high nibble);
 //   scales   [tiles][K / group][16] float32, one per column (zero past N);
-//   offsets  the same as o' (above), or null for none (bits 8 only).
+//   offsets  the same for o, the weight's own offset, or null for none (bits 8 only). o, not o',
+//            because on AMX groups of under 256 inputs multiply the dequantized weights
+//            themselves (quant_gemm_amx_folded.h), q * s + o rounded as the reference rounds it.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -39,7 +42,7 @@
 #include <new>
 
 #include "gemm_blocking.h"
-#include "quant_gemm_amx.h"
+#include "quant_gemm_amx_folded.h"
 #include "quant_gemm_avx2.h"
 #include "quant_unpack.h"
 
@@ -139,10 +142,11 @@ inline void grouped_block(const uint16_t* x, int64_t x_stride, const float* xsum
             _mm_prefetch(reinterpret_cast<const char*>(s + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
             if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(o + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
             const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * 16);
+            const __m512 oj = Offsets ? kvflow::integer_offset(w.bits, sj, _mm512_loadu_ps(o + (j * groups + g) * 16))
+                                      : _mm512_setzero_ps();
             for (int m = 0; m < MT; ++m) {
                 __m512 v = _mm512_fmadd_ps(acc[m][j], sj, _mm512_load_ps(out[m][j]));
-                if constexpr (Offsets)
-                    v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[m * groups + g]), _mm512_loadu_ps(o + (j * groups + g) * 16), v);
+                if constexpr (Offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[m * groups + g]), oj, v);
                 _mm512_store_ps(out[m][j], v);
             }
         }
@@ -235,8 +239,10 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
         constexpr int Bits = decltype(bits)::value;
         constexpr bool Offsets = decltype(offsets)::value;
 #if defined(KVFLOW_AMX)
-        if (kvflow::amx_enabled() && w.group % 32 == 0 && w.k % 32 == 0)
-            return kvflow::quant_gemm_amx<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
+        if (kvflow::amx_enabled() && w.group % 32 == 0 && w.k % 32 == 0)  // short groups fold (quant_gemm_amx_folded.h)
+            return w.group / 32 < kvflow::kBlockedGroupTiles
+                       ? kvflow::quant_gemm_amx_folded<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride)
+                       : kvflow::quant_gemm_amx<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
 #endif
 #if defined(KVFLOW_AVX512BF16)
         return quant_gemm_bf16<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
@@ -246,7 +252,7 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
     };
     using Four = std::integral_constant<int, 4>;
     using Eight = std::integral_constant<int, 8>;
-    if (w.bits == 4)  // 4-bit tiles always carry o' = o - 128 s
+    if (w.bits == 4)  // 4-bit tiles always carry offsets: o' = o - 128 s is never zero
         return w.offsets ? run(Four{}, std::true_type{}) : -1;
     return w.offsets ? run(Eight{}, std::true_type{}) : run(Eight{}, std::false_type{});
 }
@@ -270,9 +276,9 @@ int64_t kvflow_quant_tiles_bytes(int bits, int64_t n, int64_t k) {
 }
 
 // Row-major QuantizedWeight (q [N][K] int8 or [N][K/2] GGUF-order nibbles, scales/offsets
-// [N][K / group]) -> the tile layout above (bits 4: offsets_out is required and receives
-// offset - 128 * scale). Plain C++: runs on every machine. Returns -1 for a layout it does not
-// take (a group not a multiple of 4 or not dividing K; bits 4: K not a multiple of 32).
+// [N][K / group]) -> the tile layout above (bits 4: offsets_out is required, zeros for none).
+// Plain C++: runs on every machine. Returns -1 for a layout it does not take (a group not a
+// multiple of 4 or not dividing K; bits 4: K not a multiple of 32).
 int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
                             int64_t n, int64_t k, uint8_t* q_out, float* scales_out, float* offsets_out) {
     if ((bits != 8 && bits != 4) || group <= 0 || group % 4 != 0 || k % group != 0 ||
@@ -300,7 +306,7 @@ int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, con
                 const float scale = col < n ? scales[col * groups + g] : 0.f;
                 const float offset = col < n && offsets ? offsets[col * groups + g] : 0.f;
                 scales_out[at] = scale;
-                if (offsets_out) offsets_out[at] = bits == 4 ? offset - 128.f * scale : offset;
+                if (offsets_out) offsets_out[at] = offset;
             }
     }
     return 0;

@@ -66,6 +66,12 @@ void store_tile(const uint8_t* q, int64_t k, uint16_t* out) {
     unpack_blocks<Bits>(q, 0, k / 4, out);
 }
 
+// o' for the integers v the vector kernels multiply: o - 128 s for 4 bits (v = 128 + q), o for
+// int8. One rounding (128 s is exact), so the same value whichever kernel forms it.
+inline __m512 integer_offset(int bits, __m512 s, __m512 o) {
+    return bits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, o) : o;
+}
+
 // X[m, g]: a group's inputs summed in float32, one fixed order for every caller.
 inline float group_sum(const uint16_t* x, int64_t group) {
     __m512 v = _mm512_setzero_ps();

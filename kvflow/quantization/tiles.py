@@ -9,7 +9,10 @@ Unpacking costs 2 (4-bit) or 2.5 (int8) vector operations per 32 weights, agains
 for dequantizing to float32 and rounding to bf16, which is what lets a quantized decode step run
 at memory speed; prefill runs at about the bf16 GEMM's rate (two more FMAs per 16 columns and
 group). On CPUs with AVX2 and FMA but no AVX512-BF16, csrc/quant_gemm_avx2.h does vdpbf16ps's
-work as two FMAs per pair under DAZ/FTZ, in the same order: the same bits on every machine type.
+work as two FMAs per pair under DAZ/FTZ, in the same order: the same bits on every machine type
+without AMX. On AMX (csrc/quant_gemm_amx.h) long groups keep these sums; groups of under 256
+inputs multiply the dequantized weights rounded to bf16 (csrc/quant_gemm_amx_folded.h), which
+gives the bf16 layer's bits for those weights and prefill at the bf16 GEMM's rate.
 quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
 for CPUs without AVX2.
 
@@ -38,7 +41,7 @@ class QuantTiles:
 
     q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)]
     scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16]
-    offsets: torch.Tensor | None  # o' (csrc/quant_gemm_bf16.cpp); 4 bits: always, offset - 128 * scale
+    offsets: torch.Tensor | None  # the same shape; 4 bits: always (zeros for none)
     bits: int
     group_size: int
     in_features: int

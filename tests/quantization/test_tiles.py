@@ -4,7 +4,10 @@ The tiles multiply by the dequantized weight itself (no bf16 rounding of weights
 by group in float32: each case is compared with a float64 product within float32 accumulation
 error, and a row must not depend on the rows beside it. On CPUs without AVX512-BF16 the kernels
 run in the SIMDe-emulated build (csrc/isa.h), so every CI machine checks the numerics. Where the
-CPU has AMX, every such test runs again on the tiles (other bits, the same bounds and invariance).
+CPU has AMX, every such test runs again on the tiles (other bits, the same bounds and invariance);
+there groups of under 256 inputs multiply the dequantized weights rounded to bf16
+(csrc/quant_gemm_amx_folded.h): the bounds are then against those weights, and such a layer gives
+the bf16 GEMM's bits for them.
 """
 
 from __future__ import annotations
@@ -38,11 +41,20 @@ def _weights(n: int, k: int, seed: int) -> list[QuantizedWeight]:
             methods.quantize_int4(w, 64), methods.quantize_int4(w, 16)]
 
 
-def _check(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> None:
-    """float32 logits within float32 accumulation error of the float64 product with the
-    dequantized weight; the bf16 outputs are those logits (+ the bf16 bias) rounded once."""
+def folds(kernels, qw: QuantizedWeight) -> bool:
+    """Whether the AMX tiles multiply `qw`'s dequantized weights rounded to bf16: groups of whole
+    k tiles (32), fewer than csrc/quant_gemm_amx.h's kBlockedGroupTiles (8) of them."""
+    return kernels.amx and qw.group_size % 32 == 0 and qw.in_features % 32 == 0 and qw.group_size < 8 * 32
+
+
+def _check(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor,
+           folded: bool = False) -> None:
+    """float32 logits within float32 accumulation error of the float64 product with the weights
+    multiplied (dequantized; `folded`: rounded to bf16 as well); the bf16 outputs are those
+    logits (+ the bf16 bias) rounded once."""
     logits = op_f32(x)
-    w = qw.dequantize().double()
+    w = qw.dequantize()
+    w = (w.to(torch.bfloat16) if folded else w).double()
     ref, size = x.double() @ w.T, x.double().abs() @ w.abs().T
     assert ((logits.double() - ref).abs() <= 1e-5 * size + 1e-30).all(), qw.source
     assert torch.equal(op_bf16(x), logits.to(torch.bfloat16))
@@ -51,7 +63,7 @@ def _check(op_f32, op_bf16, op_bias, qw: QuantizedWeight, x: torch.Tensor, bias:
 
 @pytest.mark.parametrize("n,k,m", [(50, 128, 1), (40, 128, 3), (64, 192, 7), (96, 64, 8), (200, 64, 13), (40, 256, 70)])
 def test_tiles_equal_their_definition(lib, n, k, m):
-    _, tile_lib = lib
+    kernels, tile_lib = lib
     g = torch.Generator().manual_seed(n * k + m)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g)
@@ -59,7 +71,7 @@ def test_tiles_equal_their_definition(lib, n, k, m):
         t = tiles.pack(qw, lib=tile_lib)
         op_f32 = tiles.prepare(t, float32_out=True, lib=tile_lib)
         op_bf16, op_bias = tiles.prepare(t, lib=tile_lib), tiles.prepare(t, bias, lib=tile_lib)
-        _check(op_f32, op_bf16, op_bias, qw, x, bias)
+        _check(op_f32, op_bf16, op_bias, qw, x, bias, folds(kernels, qw))
 
 
 @pytest.mark.parametrize("which", [0, 2, 3])  # int8 per channel, int8 with offsets, int4
@@ -83,7 +95,7 @@ def test_long_group_tiles_are_batch_invariant(lib, which):
     size on AMX: 17-32 rows keep every sum tile of a column chunk in flight at once. Rows there
     equal the rows alone and in a prefill-sized call, and the sums stay within float32 error of
     the dequantized weight (ragged N: 104 columns leave a chunk of one column tile)."""
-    _, tile_lib = lib
+    kernels, tile_lib = lib
     n, k = 104, 512
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.1
     qw = {"int8": lambda: methods.quantize_int8(w), "int8 g256": lambda: methods.quantize_int8(w, 256),
@@ -98,7 +110,8 @@ def test_long_group_tiles_are_batch_invariant(lib, which):
     for rows in (slice(0, 1), slice(0, 16), slice(0, 17), slice(3, 27), slice(8, 40), slice(2, 34), slice(5, 70)):
         assert torch.equal(op(x[rows].contiguous()), whole[rows]), rows
     bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
-    _check(op, tiles.prepare(t, lib=tile_lib), tiles.prepare(t, bias, lib=tile_lib), qw, x[3:27].contiguous(), bias)
+    _check(op, tiles.prepare(t, lib=tile_lib), tiles.prepare(t, bias, lib=tile_lib), qw, x[3:27].contiguous(), bias,
+           folds(kernels, qw))
 
 
 @pytest.mark.parametrize("which", [0, 3])  # int8 per channel, int4
@@ -128,6 +141,62 @@ def test_amx_tiles_sum_otherwise_than_vdpbf16ps(kernels):
         assert (on, off) == ([32.0], [0.0])
 
 
+def _q4_1(n: int, k: int, gen: torch.Generator, float16: bool) -> QuantizedWeight:
+    """Random 4-bit values with a scale and minimum per 32, in float16 as a GGUF file stores
+    them, or with float32's full significand."""
+    rounded = (lambda t: t.half().float()) if float16 else (lambda t: t)
+    return QuantizedWeight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                           rounded(torch.rand(n, k // 32, generator=gen) * 0.01),
+                           rounded(-torch.rand(n, k // 32, generator=gen) * 0.1), 4, 32, k, "q4_1")
+
+
+@pytest.mark.parametrize("which", ["int4 g32", "int4 g128", "q8_0", "int8 per channel, K 128", "gguf q4_1",
+                                   "q4_1, float32 scales", "q8_0, float32 scales"])
+@pytest.mark.parametrize("m", [1, 16, 24, 70])
+def test_amx_short_groups_give_the_bf16_gemms_bits(kernels, which, m):
+    """On AMX a layer of short groups is the bf16 layer of its dequantized weights, bit for bit:
+    the weights folded as q * s + o (two float32 roundings, as `dequantize` computes them), then
+    to bf16, and summed as the bf16 GEMM sums (csrc/quant_gemm_amx_folded.h)."""
+    with amx_mode(kernels, "auto"):
+        n, k = 72, 256 if which != "int8 per channel, K 128" else 128
+        gen = torch.Generator().manual_seed(m)
+        w = torch.randn(n, k, generator=gen) * 0.1
+        q8 = methods.quantize_int8(w, 32)
+        qw = {"int4 g32": lambda: methods.quantize_int4(w, 32), "int4 g128": lambda: methods.quantize_int4(w, 128),
+              "q8_0": lambda: q8, "int8 per channel, K 128": lambda: methods.quantize_int8(w),
+              "gguf q4_1": lambda: _q4_1(n, k, gen, float16=True),
+              "q4_1, float32 scales": lambda: _q4_1(n, k, gen, float16=False),
+              "q8_0, float32 scales": lambda: QuantizedWeight(q8.qweight, q8.scales * (1 + 2**-22), None, 8, 32, k,
+                                                              which)}[which]()
+        assert folds(kernels, qw)
+        tile_lib = tiles._bind(kernels.lib)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        op = tiles.prepare(tiles.pack(qw, lib=tile_lib), bias, lib=tile_lib)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        packed = kernels.pack_weight(qw.dequantize().to(torch.bfloat16))
+        assert torch.equal(op(x), kernels.gemm(x, packed, n, bias))
+
+
+def test_amx_fold_rounds_twice_where_products_are_inexact(kernels):
+    """Where q * s is not exact in float32, the fold must round the product and the sum apart:
+    one FMA would give other bf16 weights for some (q, s, o). Columns built from such cases
+    (found among random float32 scales) and one-hot rows read the folded weights back."""
+    with amx_mode(kernels, "auto"):
+        gen = torch.Generator().manual_seed(0)
+        s = torch.rand(2_000_000, generator=gen) * 0.01 + 1e-4
+        o = -torch.rand(2_000_000, generator=gen) * 0.1
+        q = torch.randint(1, 16, (2_000_000,), generator=gen).float()
+        fused = (q.double() * s.double() + o.double()).float().to(torch.bfloat16)  # one rounding to float32
+        telling = ((q * s + o).to(torch.bfloat16) != fused).nonzero().flatten()[:32]
+        assert len(telling) == 32
+        n, k = 32, 32  # column j: one group of q[j]'s, scale s[j], offset o[j]
+        values = q[telling].to(torch.uint8).unsqueeze(1).expand(n, k).contiguous()
+        qw = QuantizedWeight(methods.pack_int4(values), s[telling].unsqueeze(1), o[telling].unsqueeze(1), 4, 32, k, "q4_1")
+        op = tiles.prepare(tiles.pack(qw, lib=tiles._bind(kernels.lib)), float32_out=True, lib=tiles._bind(kernels.lib))
+        read = op(torch.eye(k, dtype=torch.bfloat16))  # read[i, j] = the weight of column j, input i
+        assert torch.equal(read.T, qw.dequantize().to(torch.bfloat16).float())
+
+
 @pytest.mark.parametrize("out", ["float32", "bf16", "bf16+bias"])
 def test_avx2_tiles_give_the_avx512_bits(kernels, out):
     """Without AVX512-BF16 the tiles run on AVX2 + FMA (csrc/quant_gemm_avx2.h) in the AVX-512
@@ -155,7 +224,7 @@ def test_avx2_tiles_give_the_avx512_bits(kernels, out):
 
 def test_tiles_pack_a_gguf_q4_1_layout(lib):
     """4-bit values in GGUF's nibble order with Q4_1's minimum as the offset, as shipped."""
-    _, tile_lib = lib
+    kernels, tile_lib = lib
     g = torch.Generator().manual_seed(7)
     q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.uint8)
     qw = QuantizedWeight(methods.pack_int4(q), torch.rand(48, 2, generator=g) * 0.05,
@@ -164,7 +233,7 @@ def test_tiles_pack_a_gguf_q4_1_layout(lib):
     bias = torch.randn(48, generator=g)
     t = tiles.pack(qw, lib=tile_lib)
     _check(tiles.prepare(t, float32_out=True, lib=tile_lib), tiles.prepare(t, lib=tile_lib),
-                tiles.prepare(t, bias, lib=tile_lib), qw, x, bias)
+           tiles.prepare(t, bias, lib=tile_lib), qw, x, bias, folds(kernels, qw))
 
 
 def test_tiles_refuse_what_they_cannot_pack(lib):

@@ -15,8 +15,8 @@
 // of 32 that made the model's layers at 128 rows 1.5x the bf16 GEMM's time (54 against 35 ms;
 // folded 31-33). Folded, the scales cost one dequantization per weight per row panel, about 0.3
 // vector operations a weight. The price is at one row, where nothing shares it: the layers 6.0-6.6
-// -> 8.7 ms (bf16 11.5), int4 W-latency ITL 9.9-11.1 -> 13.3 ms against TTFT 78-94 -> 38-44 ms
-// (bf16 16.4 and 44-47 ms); docs/benchmarks.md has the sitting. KVFLOW_AMX=off keeps the vector
+// -> 8.7 ms (bf16 11.5), int4 W-latency ITL 9.9-11.1 -> 12.2-12.7 ms against TTFT 78-94 -> 38-44
+// ms (bf16 16.4 and 44-47 ms); docs/benchmarks.md has the sitting. KVFLOW_AMX=off keeps the vector
 // kernels' exact sums for the lowest single-stream ITL.
 #pragma once
 
@@ -54,10 +54,13 @@ struct FoldAhead {
         const __m512 product = _mm512_mul_round_ps(v, scale, kNearest);
         return Offsets ? _mm512_add_round_ps(product, offset, kNearest) : product;
     }
+    // The scales and offsets are two more streams, a line each per group and column tile: asked
+    // for 4 KiB ahead (1 KiB: int4 layers at one row 10.0-10.6 ms against 8.0-9.5, alternated).
+    static constexpr int64_t kScalesAhead = 1024;  // floats
     void unpack(int64_t kt) {
         const int64_t g = kt / tiles_per_group;
-        _mm_prefetch(reinterpret_cast<const char*>(s + g * 16 + 256), _MM_HINT_T1);
-        if (Offsets) _mm_prefetch(reinterpret_cast<const char*>(o + g * 16 + 256), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(s + g * 16 + kScalesAhead), _MM_HINT_T1);
+        if (Offsets) _mm_prefetch(reinterpret_cast<const char*>(o + g * 16 + kScalesAhead), _MM_HINT_T1);
         // A k-pair step's elements 0-15 are columns 0-7 (two inputs each), 16-31 columns 8-15.
         const __m512i lo_cols = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));

@@ -191,6 +191,46 @@ struct RowAccumulators {
     }
 };
 
+// One column chunk of a call: its first column tile and how many tiles it has (1 or 2).
+struct AmxChunk {
+    int64_t n0, tile0;
+    int nt;
+};
+
+// The OpenMP region both AMX quantized kernels run: `prologue()` first (a worksharing loop, whose
+// barrier ends it), then per thread the tile configuration, four sum tiles and, for calls of
+// more than 32 rows, room for a chunk's unpacked column tiles; then row panels [p0, p1) over
+// the column chunks, statically split (the same chunks per thread in every panel, as in
+// gemm_amx_bf16), each `body(chunk, p0, p1, tiles, sums)`. Returns 0, or -4 out of memory.
+template <typename Prologue, typename Body>
+int amx_quant_chunks(int64_t m, int64_t n, int64_t k, int tile_rows, Prologue&& prologue, Body&& body) {
+    const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT), panel = amx_panel_rows(k);
+    const size_t tile_bytes = static_cast<size_t>(kNT * k * kTileCols) * 2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        prologue();
+        auto* tiles = m <= 32 ? nullptr : static_cast<uint16_t*>(std::aligned_alloc(64, tile_bytes));
+        if (m > 32 && tiles == nullptr) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        configure_tiles(tile_rows);
+        alignas(64) float sums[4][16][16];
+        for (int64_t p0 = 0; p0 < m; p0 += panel) {
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < chunks; ++c) {
+                if (m > 32 && tiles == nullptr) continue;  // out of memory: `failed` is set
+                const int64_t n0 = c * kTileCols * kNT;
+                body(AmxChunk{n0, n0 / kTileCols, n - n0 > kTileCols ? 2 : 1}, p0, std::min(m, p0 + panel), tiles, sums);
+            }
+        }
+        _tile_release();
+        std::free(tiles);
+    }
+    return failed ? -4 : 0;
+}
+
 // Calls of more than 16 rows run 2 x 2 tiles (ring_block), which share their loads (one per
 // product, against 1.5) and keep four chains of products in flight, storing each group's sums
 // after it: int8 at 512 rows 56 ms for the model's layers, against 61 two row tiles at a time
@@ -203,89 +243,69 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
                    const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, k_tiles = k / 32;
     const int64_t tile_stride = k * kTileCols, bytes = quant_tile_bytes(Bits, k);
-    const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT), panel = amx_panel_rows(k);
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
     float* xsums = Offsets ? scratch_floats<4>(m * groups) : nullptr;
     if (Offsets && xsums == nullptr) return -4;
-    int failed = 0;
-#pragma omp parallel
-    {
+    auto group_sums_of_rows = [&] {
         if constexpr (Offsets) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; ++r)
                 for (int64_t g = 0; g < groups; ++g) xsums[r * groups + g] = group_sum(x + r * x_stride + g * w.group, w.group);
-            // (the loop's barrier: every row's sums are in place before any chunk reads them)
         }
-        // The chunk's unpacked tiles, for calls of more than one row pair (up to 32 rows unpack into a ring).
-        auto* tiles = m <= 32 ? nullptr : static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(kNT * tile_stride) * 2));
-        if (m > 32 && tiles == nullptr) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        configure_tiles(a.tile_rows);
-        alignas(64) float sums[4][16][16];
-        // Row panels as in gemm_amx_bf16 (each chunk unpacked again per panel: little against
-        // a panel's products); one panel at decode sizes.
-        for (int64_t p0 = 0; p0 < m; p0 += panel) {
-#pragma omp for schedule(static) nowait
-            for (int64_t c = 0; c < chunks; ++c) {
-                if (m > 32 && tiles == nullptr) continue;  // out of memory: `failed` is set
-                const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
-                const int nt = n - n0 > kTileCols ? 2 : 1;
-                using Acc = RowAccumulators<Offsets>;
-                // acc += group g's sums for column tile j, rows from `row`, scaled and offset.
-                auto add = [&](Acc& acc, const float (*sum)[16], int j, int64_t g, int64_t row) {
-                    const int64_t at = ((tile0 + j) * groups + g) * kTileCols;
-                    acc.add(sum, Bits, w.scales + at, Offsets ? w.offsets + at : nullptr,
-                            Offsets ? xsums + row * groups + g : nullptr, groups);
-                };
-                auto store = [&](const Acc& acc, int j, int64_t row) {
-                    acc.write(StoreRow<Out>{y + row * y_stride, y_stride, n0, n, bias}, j);
-                };
-                if (m <= 16) {  // one row tile, a column tile at a time, four groups in flight
-                    alignas(64) uint16_t ring[4][512];
-                    for (int j = 0; j < nt; ++j) {
-                        UnpackAhead<Bits> source(w.q + (tile0 + j) * bytes, k_tiles, ring[0], 4);
-                        Acc acc(static_cast<int>(m));
-                        group_sums(a.at(0), a.stride(0), source, groups, tiles_per_group, sums,
-                                   [&](int64_t g, const float(*sum)[16]) { add(acc, sum, j, g, 0); });
-                        store(acc, j, 0);
-                    }
-                    continue;
-                }
-                // 17 rows and more: both row tiles of a pair against both column tiles at once
-                // (ring_block). The panel's first pair unpacks the columns as it goes: into rings
-                // when it is the only pair, else whole, for the later pairs to reread.
-                const int64_t p1 = std::min(m, p0 + panel);
-                alignas(64) uint16_t rings[2][4][512];
-                const bool reread = p1 - p0 > 32;
-                uint16_t* col0 = reread ? tiles : rings[0][0];
-                uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
-                const int64_t ring = reread ? k_tiles : 4;
-                UnpackAhead<Bits> first0(w.q + tile0 * bytes, k_tiles, col0, ring);
-                UnpackAhead<Bits> first1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, col1, ring);
-                Unpacked again0{col0}, again1{col1};
-                for (int64_t r = p0; r < p1; r += 32) {
-                    const int64_t rows = std::min<int64_t>(32, p1 - r);
-                    const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
-                    Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
-                    for (int64_t g = 0; g < groups; ++g) {
-                        const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
-                        if (r == p0) pair_block(a, r, rows, nt, first0, first1, kt0, kt1, sums);
-                        else pair_block(a, r, rows, nt, again0, again1, kt0, kt1, sums);
-                        for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
-                            for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
-                    }
-                    for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
-                        for (int j = 0; j < nt; ++j) store(acc[i][j], j, r + 16 * i);
-                }
+    };
+    // Each chunk is unpacked again per row panel: little against a panel's products.
+    return amx_quant_chunks(m, n, k, a.tile_rows, group_sums_of_rows, [&](AmxChunk chunk, int64_t p0, int64_t p1,
+                                                                           uint16_t* tiles, float(*sums)[16][16]) {
+        const int64_t n0 = chunk.n0, tile0 = chunk.tile0;
+        const int nt = chunk.nt;
+        using Acc = RowAccumulators<Offsets>;
+        // acc += group g's sums for column tile j, rows from `row`, scaled and offset.
+        auto add = [&](Acc& acc, const float (*sum)[16], int j, int64_t g, int64_t row) {
+            const int64_t at = ((tile0 + j) * groups + g) * kTileCols;
+            acc.add(sum, Bits, w.scales + at, Offsets ? w.offsets + at : nullptr,
+                    Offsets ? xsums + row * groups + g : nullptr, groups);
+        };
+        auto store = [&](const Acc& acc, int j, int64_t row) {
+            acc.write(StoreRow<Out>{y + row * y_stride, y_stride, n0, n, bias}, j);
+        };
+        if (m <= 16) {  // one row tile, a column tile at a time, four groups in flight
+            alignas(64) uint16_t ring[4][512];
+            for (int j = 0; j < nt; ++j) {
+                UnpackAhead<Bits> source(w.q + (tile0 + j) * bytes, k_tiles, ring[0], 4);
+                Acc acc(static_cast<int>(m));
+                group_sums(a.at(0), a.stride(0), source, groups, tiles_per_group, sums,
+                           [&](int64_t g, const float(*sum)[16]) { add(acc, sum, j, g, 0); });
+                store(acc, j, 0);
             }
+            return;
         }
-        _tile_release();
-        std::free(tiles);
-    }
-    return failed ? -4 : 0;
+        // 17 rows and more: both row tiles of a pair against both column tiles at once
+        // (ring_block). The panel's first pair unpacks the columns as it goes: into rings when it
+        // is the only pair, else whole, for the later pairs to reread.
+        alignas(64) uint16_t rings[2][4][512];
+        const bool reread = p1 - p0 > 32;
+        uint16_t* col0 = reread ? tiles : rings[0][0];
+        uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
+        const int64_t ring = reread ? k_tiles : 4;
+        UnpackAhead<Bits> first0(w.q + tile0 * bytes, k_tiles, col0, ring);
+        UnpackAhead<Bits> first1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, col1, ring);
+        Unpacked again0{col0}, again1{col1};
+        for (int64_t r = p0; r < p1; r += 32) {
+            const int64_t rows = std::min<int64_t>(32, p1 - r);
+            const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
+            Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
+                if (r == p0) pair_block(a, r, rows, nt, first0, first1, kt0, kt1, sums);
+                else pair_block(a, r, rows, nt, again0, again1, kt0, kt1, sums);
+                for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
+                    for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
+            }
+            for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
+                for (int j = 0; j < nt; ++j) store(acc[i][j], j, r + 16 * i);
+        }
+    });
 }
 
 }  // namespace kvflow

@@ -109,55 +109,35 @@ int quant_gemm_amx_folded(const uint16_t* x, int64_t m, int64_t x_stride, const 
                           const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, k_tiles = k / 32;
     const int64_t tile_stride = k * kTileCols, bytes = quant_tile_bytes(Bits, k);
-    const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT), panel = amx_panel_rows(k);
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
-    int failed = 0;
-#pragma omp parallel
-    {
-        auto* tiles = m <= 32 ? nullptr : static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(kNT * tile_stride) * 2));
-        if (m > 32 && tiles == nullptr) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        configure_tiles(a.tile_rows);
-        alignas(64) float sums[4][16][16];
+    return amx_quant_chunks(m, n, k, a.tile_rows, [] {}, [&](AmxChunk chunk, int64_t p0, int64_t p1, uint16_t* tiles,
+                                                           float(*sums)[16][16]) {
+        const int64_t n0 = chunk.n0, tile0 = chunk.tile0;
+        const int nt = chunk.nt;
+        const bool reread = p1 - p0 > 32;
+        const int64_t ring = reread ? k_tiles : 4;
+        auto column = [&](int j, uint16_t* dest, int64_t n_tiles) {
+            const int64_t at = (tile0 + j) * groups * kTileCols;
+            return FoldAhead<Bits, Offsets>(w.q + (tile0 + j) * bytes, n_tiles, dest, ring, w.scales + at,
+                                            Offsets ? w.offsets + at : nullptr, tiles_per_group);
+        };
         alignas(64) uint16_t rings[2][4][512];
-        for (int64_t p0 = 0; p0 < m; p0 += panel) {
-#pragma omp for schedule(static) nowait
-            for (int64_t c = 0; c < chunks; ++c) {
-                if (m > 32 && tiles == nullptr) continue;  // out of memory: `failed` is set
-                const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
-                const int nt = n - n0 > kTileCols ? 2 : 1;
-                const int64_t p1 = std::min(m, p0 + panel);
-                const bool reread = p1 - p0 > 32;
-                const int64_t ring = reread ? k_tiles : 4;
-                auto column = [&](int j, uint16_t* dest, int64_t n_tiles) {
-                    const int64_t at = (tile0 + j) * groups * kTileCols;
-                    return FoldAhead<Bits, Offsets>(w.q + (tile0 + j) * bytes, n_tiles, dest, ring, w.scales + at,
-                                                    Offsets ? w.offsets + at : nullptr, tiles_per_group);
-                };
-                uint16_t* col0 = reread ? tiles : rings[0][0];
-                uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
-                auto first0 = column(0, col0, k_tiles);
-                auto first1 = column(nt - 1, col1, nt == 2 ? k_tiles : 0);
-                Unpacked again0{col0}, again1{col1};
-                for (int64_t r = p0; r < p1; r += 32) {
-                    const int64_t rows = std::min<int64_t>(32, p1 - r);
-                    if (r == p0) pair_block(a, r, rows, nt, first0, first1, 0, k_tiles, sums);
-                    else pair_block(a, r, rows, nt, again0, again1, 0, k_tiles, sums);
-                    // + bias, rounded to bf16, masked at N: the bf16 GEMM's store.
-                    const StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
-                    for (int64_t i = 0; i < rows; ++i)
-                        for (int j = 0; j < nt; ++j)
-                            store(static_cast<int>(i), j, _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]));
-                }
-            }
+        uint16_t* col0 = reread ? tiles : rings[0][0];
+        uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
+        auto first0 = column(0, col0, k_tiles);
+        auto first1 = column(nt - 1, col1, nt == 2 ? k_tiles : 0);
+        Unpacked again0{col0}, again1{col1};
+        for (int64_t r = p0; r < p1; r += 32) {
+            const int64_t rows = std::min<int64_t>(32, p1 - r);
+            if (r == p0) pair_block(a, r, rows, nt, first0, first1, 0, k_tiles, sums);
+            else pair_block(a, r, rows, nt, again0, again1, 0, k_tiles, sums);
+            // + bias, rounded to bf16, masked at N: the bf16 GEMM's store.
+            const StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
+            for (int64_t i = 0; i < rows; ++i)
+                for (int j = 0; j < nt; ++j) store(static_cast<int>(i), j, _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]));
         }
-        _tile_release();
-        std::free(tiles);
-    }
-    return failed ? -4 : 0;
+    });
 }
 
 }  // namespace kvflow

@@ -3,7 +3,8 @@
 //
 //     y[m, n] = sum over groups g of  s[g, n] * A[m, g, n] + o'[g, n] * X[m, g]   (+ bias)
 //
-// with each group's integer-weight dot products A from TDPBF16PS over the group's k tiles. The
+// with each group's integer-weight dot products A from TDPBF16PS over the group's k tiles (so
+// groups of a multiple of 32 inputs; others run the vector kernel, a per-layer choice). The
 // quants become bf16 B tiles (the integers exactly), unpacked a few k tiles ahead of the products
 // (UnpackAhead): into a ring at 1-32 rows, into a whole column tile at more, which the row panel's
 // later row tiles read from L1/L2 (Unpacked). The scale and offset FMAs are the vector kernel's,
@@ -108,10 +109,9 @@ inline void group_sums(const uint16_t* x, int64_t x_stride, Source& b, int64_t g
 // Long groups from 17 rows, and folded weights at every size (quant_gemm_amx_folded.h): MT row
 // tiles against NT column tiles at once, B tiles from `Source` (UnpackAhead or FoldAhead, a few
 // k tiles ahead into a ring or a whole column, or Unpacked, rereading a column; b1 is the second
-// column's when NT = 2). Each sum tile is a
-// chain whose every product waits on the previous one's sums, so one chain at a time (a column
-// tile after the other, as group_sums does) leaves the tile unit waiting; MT x NT chains keep up
-// to four products in flight. Same products in the same order per sum tile: the same bits.
+// column's when NT = 2). Each sum tile is a chain whose every product waits on the previous
+// one's sums, so one chain at a time (a column tile after the other, as group_sums does) leaves
+// the tile unit waiting; MT x NT chains keep up to four products in flight. Same products in the same order per sum tile: the same bits.
 // sums[2i + j]: row tile i, column tile j, over k tiles [kt0, kt1). (gemm_amx.h's amx_block has
 // the same loop over packed bf16 tiles; one template for both slowed the bf16 GEMM by 4-8 % at
 // 1 and 128 rows in an alternated run, so they stay two.)
@@ -231,11 +231,9 @@ int amx_quant_chunks(int64_t m, int64_t n, int64_t k, int tile_rows, Prologue&& 
     return failed ? -4 : 0;
 }
 
-// Calls of more than 16 rows run 2 x 2 tiles (ring_block), which share their loads (one per
-// product, against 1.5) and keep four chains of products in flight, storing each group's sums
-// after it: int8 at 512 rows 56 ms for the model's layers, against 61 two row tiles at a time
-// (scripts/kernel_microbench.py layers).
-constexpr int64_t kBlockedGroupTiles = 8;  // groups of fewer k tiles: quant_gemm_amx_folded.h
+// Groups of fewer k tiles than this fold (quant_gemm_amx_folded.h): a group's scale and offset
+// FMAs would take about as long as its tile products.
+constexpr int64_t kBlockedGroupTiles = 8;
 
 // Out: BF16 (bias bf16) or F32 (bias float32). Returns 0, or -4 out of memory.
 template <typename Out, int Bits, bool Offsets>
@@ -281,8 +279,10 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
             return;
         }
         // 17 rows and more: both row tiles of a pair against both column tiles at once
-        // (ring_block). The panel's first pair unpacks the columns as it goes: into rings when it
-        // is the only pair, else whole, for the later pairs to reread.
+        // (ring_block: one load per product against 1.5, four chains in flight; int8 at 512 rows
+        // 56 ms for the model's layers against 61 two row tiles at a time). The panel's first
+        // pair unpacks the columns as it goes: into rings when it is the only pair, else whole,
+        // for the later pairs to reread.
         alignas(64) uint16_t rings[2][4][512];
         const bool reread = p1 - p0 > 32;
         uint16_t* col0 = reread ? tiles : rings[0][0];

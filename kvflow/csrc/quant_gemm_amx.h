@@ -197,13 +197,13 @@ struct AmxChunk {
     int nt;
 };
 
-// The OpenMP region both AMX quantized kernels run: `prologue()` first (a worksharing loop, whose
-// barrier ends it), then per thread the tile configuration, four sum tiles and, for calls of
+// The OpenMP region the AMX quantized kernels run: `prologue()` first (a worksharing loop, whose
+// barrier ends it), then per thread the tile configuration (`configure()`), four sum tiles and, for calls of
 // more than 32 rows, room for a chunk's unpacked column tiles; then row panels [p0, p1) over
 // the column chunks, statically split (the same chunks per thread in every panel, as in
 // gemm_amx_bf16), each `body(chunk, p0, p1, tiles, sums)`. Returns 0, or -4 out of memory.
-template <typename Prologue, typename Body>
-int amx_quant_chunks(int64_t m, int64_t n, int64_t k, int tile_rows, Prologue&& prologue, Body&& body) {
+template <typename Configure, typename Prologue, typename Body>
+int amx_quant_chunks(int64_t m, int64_t n, int64_t k, Configure&& configure, Prologue&& prologue, Body&& body) {
     const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT), panel = amx_panel_rows(k);
     const size_t tile_bytes = static_cast<size_t>(kNT * k * kTileCols) * 2;
     int failed = 0;
@@ -215,7 +215,7 @@ int amx_quant_chunks(int64_t m, int64_t n, int64_t k, int tile_rows, Prologue&& 
 #pragma omp atomic write
             failed = 1;
         }
-        configure_tiles(tile_rows);
+        configure();
         alignas(64) float sums[4][16][16];
         for (int64_t p0 = 0; p0 < m; p0 += panel) {
 #pragma omp for schedule(static) nowait
@@ -229,6 +229,30 @@ int amx_quant_chunks(int64_t m, int64_t n, int64_t k, int tile_rows, Prologue&& 
         std::free(tiles);
     }
     return failed ? -4 : 0;
+}
+
+// One chunk's row panel [p0, p1) in a kernel that makes its weight tiles as it goes (the folded
+// and the row-layout ones): the panel's first pair of row tiles makes the chunk's column tiles
+// (`make(j, dest, ring, k_tiles)`, a FoldAhead or LookupAhead), into rings of 4 when it is the
+// panel's only pair, else whole (`tiles`), for the later pairs to reread (Unpacked); each pair is
+// `pair(r, rows, b0, b1)`.
+template <typename Make, typename Pair>
+inline void made_tiles_panel(const AmxChunk& chunk, int64_t p0, int64_t p1, uint16_t* tiles, int64_t k,
+                             Make&& make, Pair&& pair) {
+    const int64_t k_tiles = k / 32;
+    const bool reread = p1 - p0 > 32;
+    const int64_t ring = reread ? k_tiles : 4;
+    alignas(64) uint16_t rings[2][4][512];
+    uint16_t* col0 = reread ? tiles : rings[0][0];
+    uint16_t* col1 = reread ? tiles + k * kTileCols : rings[1][0];
+    auto first0 = make(0, col0, ring, k_tiles);
+    auto first1 = make(chunk.nt - 1, col1, ring, chunk.nt == 2 ? k_tiles : 0);
+    Unpacked again0{col0}, again1{col1};
+    for (int64_t r = p0; r < p1; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, p1 - r);
+        if (r == p0) pair(r, rows, first0, first1);
+        else pair(r, rows, again0, again1);
+    }
 }
 
 // Groups of fewer k tiles than this fold (quant_gemm_amx_folded.h): a group's scale and offset
@@ -253,8 +277,9 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
         }
     };
     // Each chunk is unpacked again per row panel: little against a panel's products.
-    return amx_quant_chunks(m, n, k, a.tile_rows, group_sums_of_rows, [&](AmxChunk chunk, int64_t p0, int64_t p1,
-                                                                           uint16_t* tiles, float(*sums)[16][16]) {
+    auto configure = [&] { configure_tiles(a.tile_rows); };
+    return amx_quant_chunks(m, n, k, configure, group_sums_of_rows, [&](AmxChunk chunk, int64_t p0, int64_t p1,
+                                                                        uint16_t* tiles, float(*sums)[16][16]) {
         const int64_t n0 = chunk.n0, tile0 = chunk.tile0;
         const int nt = chunk.nt;
         using Acc = RowAccumulators<Offsets>;

@@ -108,35 +108,26 @@ template <typename Out, int Bits, bool Offsets>
 int quant_gemm_amx_folded(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTileWeight& w, int64_t n,
                           const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, k_tiles = k / 32;
-    const int64_t tile_stride = k * kTileCols, bytes = quant_tile_bytes(Bits, k);
+    const int64_t bytes = quant_tile_bytes(Bits, k);
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
-    return amx_quant_chunks(m, n, k, a.tile_rows, [] {}, [&](AmxChunk chunk, int64_t p0, int64_t p1, uint16_t* tiles,
-                                                           float(*sums)[16][16]) {
-        const int64_t n0 = chunk.n0, tile0 = chunk.tile0;
-        const int nt = chunk.nt;
-        const bool reread = p1 - p0 > 32;
-        const int64_t ring = reread ? k_tiles : 4;
-        auto column = [&](int j, uint16_t* dest, int64_t n_tiles) {
+    auto configure = [&] { configure_tiles(a.tile_rows); };
+    return amx_quant_chunks(m, n, k, configure, [] {}, [&](AmxChunk chunk, int64_t p0, int64_t p1, uint16_t* tiles,
+                                                          float(*sums)[16][16]) {
+        const int64_t tile0 = chunk.tile0;
+        auto make = [&](int j, uint16_t* dest, int64_t ring, int64_t n_tiles) {
             const int64_t at = (tile0 + j) * groups * kTileCols;
             return FoldAhead<Bits, Offsets>(w.q + (tile0 + j) * bytes, n_tiles, dest, ring, w.scales + at,
                                             Offsets ? w.offsets + at : nullptr, tiles_per_group);
         };
-        alignas(64) uint16_t rings[2][4][512];
-        uint16_t* col0 = reread ? tiles : rings[0][0];
-        uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
-        auto first0 = column(0, col0, k_tiles);
-        auto first1 = column(nt - 1, col1, nt == 2 ? k_tiles : 0);
-        Unpacked again0{col0}, again1{col1};
-        for (int64_t r = p0; r < p1; r += 32) {
-            const int64_t rows = std::min<int64_t>(32, p1 - r);
-            if (r == p0) pair_block(a, r, rows, nt, first0, first1, 0, k_tiles, sums);
-            else pair_block(a, r, rows, nt, again0, again1, 0, k_tiles, sums);
+        made_tiles_panel(chunk, p0, p1, tiles, k, make, [&](int64_t r, int64_t rows, auto& b0, auto& b1) {
+            pair_block(a, r, rows, chunk.nt, b0, b1, 0, k_tiles, sums);
             // + bias, rounded to bf16, masked at N: the bf16 GEMM's store.
-            const StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
+            const StoreRow<Out> store{y + r * y_stride, y_stride, chunk.n0, n, bias};
             for (int64_t i = 0; i < rows; ++i)
-                for (int j = 0; j < nt; ++j) store(static_cast<int>(i), j, _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]));
-        }
+                for (int j = 0; j < chunk.nt; ++j)
+                    store(static_cast<int>(i), j, _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]));
+        });
     });
 }
 

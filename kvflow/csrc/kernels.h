@@ -16,8 +16,8 @@ int kvflow_rotary(int dtype, void* q, int64_t q_row_stride, int64_t q_heads, voi
 int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
                      const uint16_t* bias, uint16_t* y, int64_t y_stride);
 int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int bits,
-                           const uint8_t* q, const float* scales, const float* offsets, int64_t group, int64_t n,
-                           const void* bias, void* y, int64_t y_stride);
+                           int layout, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
+                           int64_t n, const void* bias, void* y, int64_t y_stride);
 int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
                     const float* bias, float* y, int64_t y_stride);
 int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,

@@ -46,6 +46,7 @@ struct KvflowQuantLinear {
     const float* scales;
     const float* offsets;  // may be null
     int64_t group;
+    int64_t layout;  // kQuantPairs or kQuantAmxRows (quant_gemm_avx2.h)
 };
 
 // One layer's weights (packed by kvflow_pack_*_weight, in the stack's dtype, or quantized tiles
@@ -96,7 +97,8 @@ namespace {
 inline int gemm(const uint16_t* x, int64_t m, int64_t k, const void* packed, const KvflowQuantLinear* quant,
                 int64_t n, const void* bias, uint16_t* y) {
     if (quant != nullptr)
-        return kvflow_quant_gemm_bf16(1, x, m, k, k, static_cast<int>(quant->bits), quant->q, quant->scales,
+        return kvflow_quant_gemm_bf16(1, x, m, k, k, static_cast<int>(quant->bits), static_cast<int>(quant->layout),
+                                      quant->q, quant->scales,
                                       quant->offsets, quant->group, n, bias, y, n);
     return kvflow_gemm_bf16(x, m, k, k, static_cast<const uint16_t*>(packed), n,
                             static_cast<const uint16_t*>(bias), y, n);

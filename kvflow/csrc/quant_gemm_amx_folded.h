@@ -16,8 +16,12 @@
 // folded 31-33). Folded, the scales cost one dequantization per weight per row panel, about 0.3
 // vector operations a weight. The price is at one row, where nothing shares it: the layers 6.0-6.6
 // -> 8.7 ms (bf16 11.5), int4 W-latency ITL 9.9-11.1 -> 12.2-12.7 ms against TTFT 78-94 -> 38-44
-// ms (bf16 16.4 and 44-47 ms); docs/benchmarks.md has the sitting. KVFLOW_AMX=off keeps the vector
-// kernels' exact sums for the lowest single-stream ITL.
+// ms (bf16 16.4 and 44-47 ms); docs/benchmarks.md has the sitting.
+//
+// 4-bit weights packed while AMX runs (kvflow_quant_tiles_layout) take quant_gemm_amx_rows.h
+// instead: the same bits, with each weight a table lookup rather than this arithmetic (int4 ITL
+// 11.7-12.2 -> 10.1-10.5 ms). Here stay 8-bit short groups (GGUF Q8_0) and 4-bit tiles packed in
+// k pairs while AMX was off.
 #pragma once
 
 #include <algorithm>

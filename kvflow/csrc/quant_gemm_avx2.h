@@ -22,6 +22,11 @@
 
 namespace kvflow {
 
+// How the quants of a tile are ordered (kvflow_pack_quant_tiles): in k-pair steps as the bf16
+// GEMM's B tiles (every kernel), or, 4 bits only, as rows of AMX A tiles (quant_gemm_amx_rows.h).
+constexpr int kQuantPairs = 0;
+constexpr int kQuantAmxRows = 1;
+
 // A quantized weight in tiles (kvflow_pack_quant_tiles): quants, per-group scales and offsets.
 struct QuantTileWeight {
     int bits;
@@ -29,6 +34,7 @@ struct QuantTileWeight {
     const float* scales;   // [tiles][groups][16]
     const float* offsets;  // o (quant_gemm_bf16.cpp), the same shape, or null
     int64_t group, k;
+    int layout = kQuantPairs;
     int64_t groups() const { return k / group; }
 };
 

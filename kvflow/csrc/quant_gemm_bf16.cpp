@@ -35,6 +35,8 @@
 //   offsets  the same for o, the weight's own offset, or null for none (bits 8 only). o, not o',
 //            because on AMX groups of under 256 inputs multiply the dequantized weights
 //            themselves (quant_gemm_amx_folded.h), q * s + o rounded as the reference rounds it.
+// That is layout 0 (kQuantPairs). On AMX, 4-bit weights with such groups are packed in layout 1
+// (kQuantAmxRows, quant_gemm_amx_rows.h), which only that kernel reads.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +45,7 @@
 
 #include "gemm_blocking.h"
 #include "quant_gemm_amx_folded.h"
+#include "quant_gemm_amx_rows.h"
 #include "quant_gemm_avx2.h"
 #include "quant_unpack.h"
 
@@ -235,6 +238,11 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
 template <typename Out>
 int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
+#if defined(KVFLOW_AMX)
+    if (w.layout == kvflow::kQuantAmxRows)
+        return kvflow::amx_enabled() ? kvflow::quant_gemm_amx_rows<Out>(x, m, x_stride, w, n, bias, y, y_stride) : -5;
+#endif
+    if (w.layout != kvflow::kQuantPairs) return -5;
     auto run = [&](auto bits, auto offsets) {
         constexpr int Bits = decltype(bits)::value;
         constexpr bool Offsets = decltype(offsets)::value;
@@ -275,14 +283,30 @@ int64_t kvflow_quant_tiles_bytes(int bits, int64_t n, int64_t k) {
     return (n + kTileCols - 1) / kTileCols * quant_tile_bytes(bits, k);
 }
 
+// The layout to pack a weight in for the kernels as they are now: kQuantAmxRows for 4-bit weights
+// whose groups are under kBlockedGroupTiles whole k tiles while AMX runs the GEMMs, else kQuantPairs.
+int kvflow_quant_tiles_layout(int bits, int64_t group, int64_t k) {
+#if defined(KVFLOW_AMX)
+    if (kvflow::amx_enabled() && bits == 4 && group > 0 && group % 32 == 0 && k % group == 0 &&
+        group / 32 < kvflow::kBlockedGroupTiles)
+        return kvflow::kQuantAmxRows;
+#endif
+    (void)bits, (void)group, (void)k;
+    return kvflow::kQuantPairs;
+}
+
 // Row-major QuantizedWeight (q [N][K] int8 or [N][K/2] GGUF-order nibbles, scales/offsets
 // [N][K / group]) -> the tile layout above (bits 4: offsets_out is required, zeros for none).
 // Plain C++: runs on every machine. Returns -1 for a layout it does not take (a group not a
-// multiple of 4 or not dividing K; bits 4: K not a multiple of 32).
-int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
-                            int64_t n, int64_t k, uint8_t* q_out, float* scales_out, float* offsets_out) {
+// multiple of 4 or not dividing K; bits 4: K not a multiple of 32; kQuantAmxRows: not 4 bits
+// in groups of whole k tiles).
+int kvflow_pack_quant_tiles(int bits, int layout, const uint8_t* q, const float* scales, const float* offsets,
+                            int64_t group, int64_t n, int64_t k, uint8_t* q_out, float* scales_out,
+                            float* offsets_out) {
     if ((bits != 8 && bits != 4) || group <= 0 || group % 4 != 0 || k % group != 0 ||
-        (bits == 4 && (k % 32 != 0 || offsets_out == nullptr)))
+        (bits == 4 && (k % 32 != 0 || offsets_out == nullptr)) ||
+        (layout != kvflow::kQuantPairs && layout != kvflow::kQuantAmxRows) ||
+        (layout == kvflow::kQuantAmxRows && (bits != 4 || group % 32 != 0)))
         return -1;
     const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / group;
 #pragma omp parallel for
@@ -292,7 +316,16 @@ int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, con
             const int64_t col = tile * kTileCols + e / 2, i = 2 * p + e % 2;
             return col < n ? row_value(bits, q, k, col, i) : 0;
         };
-        if (bits == 8) {
+        auto nibble = [&](int64_t col, int64_t i) { return col < n ? row_value(4, q, k, col, i) : 0; };
+        if (layout == kvflow::kQuantAmxRows) {  // k tile, row pair p, byte i: column 2p's input i | 2p + 1's << 4
+            for (int64_t kt = 0; kt < k / 32; ++kt)
+                for (int64_t p = 0; p < 8; ++p)
+                    for (int64_t i = 0; i < 32; ++i) {
+                        const int64_t col = tile * kTileCols + 2 * p;
+                        dst[kt * 256 + p * 32 + i] =
+                            static_cast<uint8_t>(nibble(col, kt * 32 + i) | nibble(col + 1, kt * 32 + i) << 4);
+                    }
+        } else if (bits == 8) {
             for (int64_t p = 0; p < k / 2; ++p)
                 for (int64_t e = 0; e < 32; ++e) dst[p * 32 + e] = static_cast<uint8_t>(static_cast<int8_t>(value(p, e)));
         } else {
@@ -313,20 +346,22 @@ int kvflow_pack_quant_tiles(int bits, const uint8_t* q, const float* scales, con
 }
 
 // out_dtype 1: y bf16, bias bf16 (or null); 0: y float32, bias float32 (the LM head's logits).
-// Returns 0, -2 without AVX512-BF16 or AVX2 + FMA, -4 out of memory.
+// Returns 0, -2 without AVX512-BF16 or AVX2 + FMA, -4 out of memory, -5 for tiles packed in
+// kQuantAmxRows while AMX is off (pack them again).
 int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int bits,
-                           const uint8_t* q, const float* scales, const float* offsets, int64_t group, int64_t n,
-                           const void* bias, void* y, int64_t y_stride) {
+                           int layout, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
+                           int64_t n, const void* bias, void* y, int64_t y_stride) {
 #if defined(KVFLOW_AVX512BF16) || defined(KVFLOW_AVX2_GEMM)
     if (m == 0) return 0;
-    const Weight w{bits, q, scales, offsets, group, k};
+    const Weight w{bits, q, scales, offsets, group, k, layout};
     if (out_dtype == 1)
         return quant_gemm_bf16_for<kvflow::BF16>(x, m, x_stride, w, n, static_cast<const uint16_t*>(bias),
                                              static_cast<uint16_t*>(y), y_stride);
     return quant_gemm_bf16_for<kvflow::F32>(x, m, x_stride, w, n, static_cast<const float*>(bias),
                                         static_cast<float*>(y), y_stride);
 #else
-    (void)out_dtype; (void)x; (void)m; (void)k; (void)x_stride; (void)bits; (void)q; (void)scales; (void)offsets;
+    (void)out_dtype; (void)x; (void)m; (void)k; (void)x_stride; (void)bits; (void)layout; (void)q; (void)scales;
+    (void)offsets;
     (void)group; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;
 #endif

@@ -45,7 +45,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _QuantLinear(ctypes.Structure):  # KvflowQuantLinear
-    _fields_ = [("bits", _i64), ("q", _ptr), ("scales", _ptr), ("offsets", _ptr), ("group", _i64)]
+    _fields_ = [("bits", _i64), ("q", _ptr), ("scales", _ptr), ("offsets", _ptr), ("group", _i64), ("layout", _i64)]
 
 
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
@@ -131,7 +131,7 @@ class FusedLlamaStack:
                 if tiles is not None:
                     q = _QuantLinear(bits=tiles.bits, q=tiles.q.data_ptr(), scales=tiles.scales.data_ptr(),
                                      offsets=None if tiles.offsets is None else tiles.offsets.data_ptr(),
-                                     group=tiles.group_size)
+                                     group=tiles.group_size, layout=tiles.layout)
                     self._quant.append(q)
                     self._keep.append(tiles)
                     setattr(entry, f"{name}_q", ctypes.pointer(q))

@@ -12,7 +12,11 @@ group). On CPUs with AVX2 and FMA but no AVX512-BF16, csrc/quant_gemm_avx2.h doe
 work as two FMAs per pair under DAZ/FTZ, in the same order: the same bits on every machine type
 without AMX. On AMX (csrc/quant_gemm_amx.h) long groups keep these sums; groups of under 256
 inputs multiply the dequantized weights rounded to bf16 (csrc/quant_gemm_amx_folded.h), which
-gives the bf16 layer's bits for those weights and prefill at the bf16 GEMM's rate.
+gives the bf16 layer's bits for those weights and prefill at the bf16 GEMM's rate. 4-bit weights
+in such groups are then packed in their own layout (AMX_ROWS: the weights as the tile product's
+A operand, csrc/quant_gemm_amx_rows.h), where dequantizing is a lookup in a 16-entry table per
+column and group: the same bits, at about 0.6x the arithmetic, which a decode step's one row
+otherwise pays in full.
 quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
 for CPUs without AVX2.
 
@@ -33,6 +37,8 @@ from kvflow.layers import cpu_kernels
 from kvflow.quantization.qweight import QuantizedWeight
 
 TILE_COLS = 16  # output columns per tile, as in the bf16 GEMM (csrc/gemm_blocking.h)
+LAYOUT_NOT_RUNNABLE = -5  # kvflow_quant_gemm_bf16's code for AMX_ROWS tiles with AMX off
+PAIRS, AMX_ROWS = 0, 1  # how a tile's quants are ordered (csrc/quant_gemm_avx2.h's kQuantPairs, kQuantAmxRows)
 
 
 @dataclass
@@ -46,6 +52,7 @@ class QuantTiles:
     group_size: int
     in_features: int
     out_features: int
+    layout: int = PAIRS  # AMX_ROWS: only the AMX kernel reads it (packed while AMX runs the GEMMs)
 
     @property
     def nbytes(self) -> int:
@@ -65,10 +72,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvflow_quant_tiles_bytes.argtypes = [ctypes.c_int, i64, i64]
     lib.kvflow_quant_tiles_bytes.restype = i64
-    lib.kvflow_pack_quant_tiles.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.kvflow_quant_tiles_layout.argtypes = [ctypes.c_int, i64, i64]
+    lib.kvflow_quant_tiles_layout.restype = ctypes.c_int
+    lib.kvflow_pack_quant_tiles.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.kvflow_pack_quant_tiles.restype = ctypes.c_int
-    lib.kvflow_quant_gemm_bf16.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64,
-                                           ptr, ptr, i64]
+    lib.kvflow_quant_gemm_bf16.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr,
+                                           i64, i64, ptr, ptr, i64]
     lib.kvflow_quant_gemm_bf16.restype = ctypes.c_int
     return lib
 
@@ -85,7 +94,9 @@ def supports(weight: QuantizedWeight) -> bool:
 
 
 def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
-    """The tile form of `weight` (its tensors are only read). `lib` is for tests (an emulated build)."""
+    """The tile form of `weight` (its tensors are only read), in the layout the kernels want now:
+    AMX_ROWS for 4-bit weights in short groups while AMX runs the GEMMs, else PAIRS. `lib` is for
+    tests (an emulated build)."""
     lib = lib or _library()
     if lib is None:
         raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16 or AVX2 + FMA")
@@ -99,11 +110,12 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
     offsets = None if weight.offsets is None and weight.bits == 8 else torch.empty_like(scales)
     src_q, src_scales = weight.qweight.contiguous(), weight.scales.float().contiguous()  # held across the call
     src_offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
-    rc = lib.kvflow_pack_quant_tiles(weight.bits, src_q.data_ptr(), src_scales.data_ptr(),
+    layout = lib.kvflow_quant_tiles_layout(weight.bits, weight.group_size, k)
+    rc = lib.kvflow_pack_quant_tiles(weight.bits, layout, src_q.data_ptr(), src_scales.data_ptr(),
                                      None if src_offsets is None else src_offsets.data_ptr(), weight.group_size, n, k,
                                      q.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr())
     cpu_kernels.check_rc(rc, "pack_quant_tiles")
-    return QuantTiles(q, scales, offsets, weight.bits, weight.group_size, k, n)
+    return QuantTiles(q, scales, offsets, weight.bits, weight.group_size, k, n, layout)
 
 
 def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bool = False,
@@ -117,7 +129,7 @@ def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bo
     out_dtype = torch.float32 if float32_out else torch.bfloat16
     bias_t = None if bias is None else bias.detach().to(torch.bfloat16).to(out_dtype).contiguous()
     k, n = tiles.in_features, tiles.out_features
-    fixed = (tiles.bits, tiles.q.data_ptr(), tiles.scales.data_ptr(),
+    fixed = (tiles.bits, tiles.layout, tiles.q.data_ptr(), tiles.scales.data_ptr(),
              None if tiles.offsets is None else tiles.offsets.data_ptr(), tiles.group_size, n,
              None if bias_t is None else bias_t.data_ptr())
     code = 0 if float32_out else 1
@@ -129,6 +141,9 @@ def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bo
         rows = x if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == k else x.reshape(-1, k).contiguous()
         out = torch.empty(rows.shape[0], n, dtype=out_dtype)
         rc = fn(code, rows.data_ptr(), rows.shape[0], k, rows.stride(0), *fixed, out.data_ptr(), n)
+        if rc == LAYOUT_NOT_RUNNABLE:
+            raise RuntimeError("quantized tiles packed for AMX (weights as A tiles) while AMX is now off: "
+                               "pack the weight again (tiles.pack) after switching")
         if rc:
             cpu_kernels.check_rc(rc, "quant_gemm_bf16")
         return out if rows is x else out.view(*x.shape[:-1], n)

@@ -152,11 +152,13 @@ def _q4_1(n: int, k: int, gen: torch.Generator, float16: bool) -> QuantizedWeigh
 
 @pytest.mark.parametrize("which", ["int4 g32", "int4 g128", "q8_0", "int8 per channel, K 128", "gguf q4_1",
                                    "q4_1, float32 scales", "q8_0, float32 scales"])
-@pytest.mark.parametrize("m", [1, 16, 24, 70])
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 33, 70])
 def test_amx_short_groups_give_the_bf16_gemms_bits(kernels, which, m):
     """On AMX a layer of short groups is the bf16 layer of its dequantized weights, bit for bit:
     the weights folded as q * s + o (two float32 roundings, as `dequantize` computes them), then
-    to bf16, and summed as the bf16 GEMM sums (csrc/quant_gemm_amx_folded.h)."""
+    to bf16, and summed as the bf16 GEMM sums (csrc/quant_gemm_amx_folded.h; 4 bits with the
+    weights as A tiles, csrc/quant_gemm_amx_rows.h: x^T tiles of m columns under 16 rows, padded
+    row tiles from 16, column tiles reread from 33)."""
     with amx_mode(kernels, "auto"):
         n, k = 72, 256 if which != "int8 per channel, K 128" else 128
         gen = torch.Generator().manual_seed(m)
@@ -175,6 +177,45 @@ def test_amx_short_groups_give_the_bf16_gemms_bits(kernels, which, m):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         packed = kernels.pack_weight(qw.dequantize().to(torch.bfloat16))
         assert torch.equal(op(x), kernels.gemm(x, packed, n, bias))
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_amx_pair_tiles_of_4_bits_still_fold(kernels, m):
+    """4-bit tiles packed while AMX was off (the k-pair layout) and run once it is on take the
+    folded kernel: the same bits as the A-tile kernel on the same weight packed under AMX."""
+    gen = torch.Generator().manual_seed(m)
+    qw = methods.quantize_int4(torch.randn(40, 96, generator=gen) * 0.1, 32)
+    x = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+    tile_lib = tiles._bind(kernels.lib)
+    with amx_mode(kernels, "off"):
+        pairs = tiles.pack(qw, lib=tile_lib)
+    with amx_mode(kernels, "auto"):
+        rows = tiles.pack(qw, lib=tile_lib)
+        assert (pairs.layout, rows.layout) == (tiles.PAIRS, tiles.AMX_ROWS)
+        assert torch.equal(tiles.prepare(pairs, lib=tile_lib)(x), tiles.prepare(rows, lib=tile_lib)(x))
+
+
+def test_amx_row_tiles_are_packed_for_short_4_bit_groups_only_and_refused_without_amx(kernels):
+    """The A-tile layout only where the AMX kernel takes it; with AMX switched off after packing,
+    a clear error rather than the vector kernels reading quants in an order they do not know."""
+    w = torch.randn(32, 512, generator=torch.Generator().manual_seed(1)) * 0.1
+    tile_lib = tiles._bind(kernels.lib)
+    cases = {"int4 g32": methods.quantize_int4(w, 32), "int4 g128": methods.quantize_int4(w, 128),
+             "int4 g256": methods.quantize_int4(w, 256), "int8 g32": methods.quantize_int8(w, 32),
+             "int8": methods.quantize_int8(w)}
+    with amx_mode(kernels, "off"):
+        assert {tiles.pack(qw, lib=tile_lib).layout for qw in cases.values()} == {tiles.PAIRS}
+    with amx_mode(kernels, "auto"):
+        layouts = {name: tiles.pack(qw, lib=tile_lib).layout for name, qw in cases.items()}
+        assert layouts == {"int4 g32": tiles.AMX_ROWS, "int4 g128": tiles.AMX_ROWS, "int4 g256": tiles.PAIRS,
+                           "int8 g32": tiles.PAIRS, "int8": tiles.PAIRS}
+        op = tiles.prepare(tiles.pack(cases["int4 g32"], lib=tile_lib), lib=tile_lib)
+        x = torch.randn(2, 512).to(torch.bfloat16)
+        before = op(x)
+        with amx_mode(kernels, "off"):
+            with pytest.raises(RuntimeError, match="packed for AMX"):
+                op(x)
+        assert torch.equal(op(x), before)
 
 
 def test_amx_fold_rounds_twice_where_products_are_inexact(kernels):

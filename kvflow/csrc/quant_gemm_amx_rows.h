@@ -108,6 +108,7 @@ struct LookupAhead {
     const float* s;  // this column tile's scales [groups][16]
     const float* o;  // and offsets
     int64_t tiles_per_group;
+    alignas(64) uint16_t made[8][32];  // groups of 2+ k tiles: the group's tables, made at its first
 
     LookupAhead(const uint8_t* quants, int64_t tiles, uint16_t* dest, int64_t ring_tiles, const float* scales,
                 const float* offsets, int64_t group_tiles)
@@ -122,25 +123,34 @@ struct LookupAhead {
         return _mm512_add_round_ps(_mm512_mul_round_ps(j, _mm512_set1_ps(scale), kNearest), _mm512_set1_ps(offset),
                                    kNearest);
     }
+    // Words 0-15: column 2p's table, 16-31: column 2p + 1's.
+    static inline __m512i tables(const float* sg, const float* og, int p) {
+        return (__m512i)_mm512_cvtne2ps_pbh(table(sg[2 * p + 1], og[2 * p + 1]), table(sg[2 * p], og[2 * p]));
+    }
     void unpack(int64_t kt) {
         const int64_t g = kt / tiles_per_group;
         const float* sg = s + g * 16;
         const float* og = o + g * 16;
-        _mm_prefetch(reinterpret_cast<const char*>(sg + kScalesAhead), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(og + kScalesAhead), _MM_HINT_T1);
+        // k tiles are unpacked in order, so a longer group's tables are made once, at its first
+        // (GPTQ's 128 inputs: a quarter of the tables' work).
+        const bool reuse = tiles_per_group > 1;
+        if (!reuse || kt % tiles_per_group == 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(sg + kScalesAhead), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(og + kScalesAhead), _MM_HINT_T1);
+            if (reuse)
+                for (int p = 0; p < 8; ++p) _mm512_store_si512(made[p], tables(sg, og, p));
+        }
         const __m512i nibble = _mm512_set1_epi16(0x0F), high_table = _mm512_set1_epi16(16);
         uint16_t* out = slots + kt % ring * 512;
         const uint8_t* src = q + kt * 256;
         for (int p = 0; p < 8; ++p, src += 32, out += 64) {
             if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T1);
-            // words 0-15: column 2p's table, 16-31: column 2p + 1's
-            const __m512i tables =
-                (__m512i)_mm512_cvtne2ps_pbh(table(sg[2 * p + 1], og[2 * p + 1]), table(sg[2 * p], og[2 * p]));
+            const __m512i pair_tables = reuse ? _mm512_load_si512(made[p]) : tables(sg, og, p);
             const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
             const __m512i low = _mm512_and_si512(bytes, nibble);
             const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), high_table);
-            _mm512_store_si512(out, _mm512_permutexvar_epi16(low, tables));
-            _mm512_store_si512(out + 32, _mm512_permutexvar_epi16(high, tables));
+            _mm512_store_si512(out, _mm512_permutexvar_epi16(low, pair_tables));
+            _mm512_store_si512(out + 32, _mm512_permutexvar_epi16(high, pair_tables));
         }
         tile_operands_stored();
     }

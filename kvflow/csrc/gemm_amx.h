@@ -66,19 +66,25 @@ inline bool& amx_enabled() {
     return on;
 }
 
-// Tiles 0-3: float32 sums (row tile i, column tile j at 2i + j); 4-5: x; 6-7: W. Rows of 64
-// bytes; x and sum tiles hold `rows` rows (fewer than 16 for a decode step's few rows, so the
-// tile unit and the loads do that much less work: int8 W-latency ITL 12.9 -> 10.8 ms against
-// padded 16-row tiles, bf16 unchanged), W tiles always 16 k-pairs.
-inline void configure_tiles(int rows) {
+// LDTILECFG, palette 1: tile t holds rows[t] rows of colsb[t] bytes.
+inline void load_tile_shapes(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
     struct alignas(64) {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
     } config{};
     config.palette = 1;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = t < 6 ? rows : 16;
+    for (int t = 0; t < 8; ++t) config.rows[t] = rows[t], config.colsb[t] = colsb[t];
     _tile_loadconfig(&config);
+}
+
+// Tiles 0-3: float32 sums (row tile i, column tile j at 2i + j); 4-5: x; 6-7: W. Rows of 64
+// bytes; x and sum tiles hold `rows` rows (fewer than 16 for a decode step's few rows, so the
+// tile unit and the loads do that much less work: int8 W-latency ITL 12.9 -> 10.8 ms against
+// padded 16-row tiles, bf16 unchanged), W tiles always 16 k-pairs.
+inline void configure_tiles(int rows) {
+    const auto r = static_cast<uint8_t>(rows);
+    load_tile_shapes({r, r, r, r, r, r, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 // MT (1-2) tiles of 16 rows of x against NT (1-2) column tiles of W (bf16 tiles [K/2][16][2],

@@ -49,16 +49,26 @@ struct UnpackAhead {
         unpack_blocks<Bits>(q, kt * 8, kt * 8 + 8, slots + kt % ring * 512);
         tile_operands_stored();
     }
+    static constexpr int64_t bytes = 64;  // a tile row
     const uint16_t* tile(int64_t kt) const { return slots + kt % ring * 512; }
     void loaded(int64_t kt) {
         if (kt + kAhead < k_tiles) unpack(kt + kAhead);
     }
 };
 
-// B tiles of one column tile unpacked by the panel's first row tile, read by the others.
+// Tiles of one column tile made by the panel's first row tile, read by the others.
 struct Unpacked {
     const uint16_t* tiles;
+    static constexpr int64_t bytes = 64;
     const uint16_t* tile(int64_t kt) const { return tiles + kt * 512; }
+    void loaded(int64_t) {}
+};
+
+// A row tile of x read in place as A tiles (AmxRows::at, rows `bytes` apart).
+struct RowTiles {
+    const uint16_t* rows;
+    int64_t bytes;
+    const uint16_t* tile(int64_t kt) const { return rows + kt * 32; }
     void loaded(int64_t) {}
 };
 
@@ -106,34 +116,35 @@ inline void group_sums(const uint16_t* x, int64_t x_stride, Source& b, int64_t g
     for (int64_t g = std::max<int64_t>(0, groups - 3); g < groups; ++g) done(g);
 }
 
-// Long groups from 17 rows, and folded weights at every size (quant_gemm_amx_folded.h): MT row
-// tiles against NT column tiles at once, B tiles from `Source` (UnpackAhead or FoldAhead, a few
-// k tiles ahead into a ring or a whole column, or Unpacked, rereading a column; b1 is the second
-// column's when NT = 2). Each sum tile is a chain whose every product waits on the previous
-// one's sums, so one chain at a time (a column tile after the other, as group_sums does) leaves
-// the tile unit waiting; MT x NT chains keep up to four products in flight. Same products in the same order per sum tile: the same bits.
-// sums[2i + j]: row tile i, column tile j, over k tiles [kt0, kt1). (gemm_amx.h's amx_block has
-// the same loop over packed bf16 tiles; one template for both slowed the bf16 GEMM by 4-8 % at
-// 1 and 128 rows in an alternated run, so they stay two.)
-template <int MT, int NT, typename Source>
-inline void ring_block(const uint16_t* a0, int64_t a0_stride, const uint16_t* a1, int64_t a1_stride, Source& b0,
-                       Source* b1, int64_t kt0, int64_t kt1, float (*sums)[16][16]) {
+// Long groups from 17 rows, and made weight tiles at every size (quant_gemm_amx_folded.h, and
+// quant_gemm_amx_rows.h with the operands swapped): MT A tiles against NT B tiles at once, each
+// operand a source of tiles (RowTiles, or UnpackAhead, FoldAhead, LookupAhead: made a few k tiles
+// ahead into a ring or a whole column, or Unpacked, rereading one). Each sum tile is a chain whose
+// every product waits on the previous one's sums, so one chain at a time (a column tile after the
+// other, as group_sums does) leaves the tile unit waiting; MT x NT chains keep up to four products
+// in flight. Same products in the same order per sum tile: the same bits.
+// sums[2i + j]: A tile i, B tile j, over k tiles [kt0, kt1). (gemm_amx.h's amx_block has the same
+// loop over packed bf16 tiles; one template for both slowed the bf16 GEMM by 4-8 % at 1 and 128
+// rows in an alternated run, so they stay two.)
+template <int MT, int NT, typename A, typename B>
+inline void ring_block(A& a0, A* a1, B& b0, B* b1, int64_t kt0, int64_t kt1, float (*sums)[16][16]) {
     _tile_zero(0);
     if constexpr (NT == 2) _tile_zero(1);
     if constexpr (MT == 2) _tile_zero(2);
     if constexpr (MT == 2 && NT == 2) _tile_zero(3);
-    const int64_t bytes0 = a0_stride * 2, bytes1 = a1_stride * 2;
     for (int64_t kt = kt0; kt < kt1; ++kt) {
-        _tile_loadd(6, b0.tile(kt), 64);
-        if constexpr (NT == 2) _tile_loadd(7, b1->tile(kt), 64);
-        _tile_loadd(4, a0 + kt * 32, bytes0);
+        _tile_loadd(6, b0.tile(kt), b0.bytes);
+        if constexpr (NT == 2) _tile_loadd(7, b1->tile(kt), b1->bytes);
+        _tile_loadd(4, a0.tile(kt), a0.bytes);
         _tile_dpbf16ps(0, 4, 6);
         if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
         if constexpr (MT == 2) {
-            _tile_loadd(5, a1 + kt * 32, bytes1);
+            _tile_loadd(5, a1->tile(kt), a1->bytes);
             _tile_dpbf16ps(2, 5, 6);
             if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
         }
+        a0.loaded(kt);
+        if constexpr (MT == 2) a1->loaded(kt);
         b0.loaded(kt);
         if constexpr (NT == 2) b1->loaded(kt);
     }
@@ -148,12 +159,12 @@ inline void ring_block(const uint16_t* a0, int64_t a0_stride, const uint16_t* a1
 template <typename Source>
 inline void pair_block(const AmxRows& a, int64_t r, int64_t rows, int nt, Source& b0, Source& b1, int64_t kt0,
                        int64_t kt1, float (*sums)[16][16]) {
-    const uint16_t* a1 = rows > 16 ? a.at(r + 16) : nullptr;
-    const int64_t s1 = rows > 16 ? a.stride(r + 16) : 0;
-    if (rows > 16 && nt == 2) ring_block<2, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-    else if (rows > 16) ring_block<2, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-    else if (nt == 2) ring_block<1, 2>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
-    else ring_block<1, 1>(a.at(r), a.stride(r), a1, s1, b0, &b1, kt0, kt1, sums);
+    RowTiles x0{a.at(r), a.stride(r) * 2};
+    RowTiles x1{rows > 16 ? a.at(r + 16) : nullptr, rows > 16 ? a.stride(r + 16) * 2 : 0};
+    if (rows > 16 && nt == 2) ring_block<2, 2>(x0, &x1, b0, &b1, kt0, kt1, sums);
+    else if (rows > 16) ring_block<2, 1>(x0, &x1, b0, &b1, kt0, kt1, sums);
+    else if (nt == 2) ring_block<1, 2>(x0, &x1, b0, &b1, kt0, kt1, sums);
+    else ring_block<1, 1>(x0, &x1, b0, &b1, kt0, kt1, sums);
 }
 
 // A row tile's outputs for one column tile, in registers across the groups: per group and row

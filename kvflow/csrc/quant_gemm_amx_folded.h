@@ -98,6 +98,7 @@ struct FoldAhead {
         }
         tile_operands_stored();
     }
+    static constexpr int64_t bytes = 64;  // a tile row
     const uint16_t* tile(int64_t kt) const { return slots + kt % ring * 512; }
     void loaded(int64_t kt) {
         if (kt + kAhead < k_tiles) unpack(kt + kAhead);

@@ -154,54 +154,26 @@ struct LookupAhead {
         }
         tile_operands_stored();
     }
+    static constexpr int64_t bytes = 64;  // a tile row
     const uint16_t* tile(int64_t kt) const { return slots + kt % ring * 512; }
     void loaded(int64_t kt) {
         if (kt + kAhead < k_tiles) unpack(kt + kAhead);
     }
 };
 
-// Tiles 0-3: sums (row tile i, column tile j at 2i + j: 16 columns x `width` rows); 4-5: the
-// weights; 6-7: x^T.
+// Tiles 0-3: sums (16 columns x `width` rows); 4-5: the weights; 6-7: x^T.
 inline void configure_transposed_tiles(int64_t width) {
-    struct alignas(64) {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config{};
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t)
-        config.rows[t] = 16, config.colsb[t] = (t == 4 || t == 5) ? 64 : static_cast<uint16_t>(width * 4);
-    _tile_loadconfig(&config);
+    const auto w = static_cast<uint16_t>(width * 4);
+    load_tile_shapes({16, 16, 16, 16, 16, 16, 16, 16}, {w, w, w, w, 64, 64, w, w});
 }
 
-// MT row tiles (from rt) against NT column tiles (b0, b1) over all k tiles: ring_block with the
-// operands swapped. sums[2i + j][column][row].
-template <int MT, int NT, typename Source>
-inline void transposed_block(const TransposedRows& xt, int64_t rt, Source& b0, Source* b1, float (*sums)[16][16]) {
-    _tile_zero(0);
-    if constexpr (NT == 2) _tile_zero(1);
-    if constexpr (MT == 2) _tile_zero(2);
-    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
-    const int64_t x_bytes = xt.stride_bytes();
-    for (int64_t kt = 0; kt < xt.k_tiles; ++kt) {
-        _tile_loadd(4, b0.tile(kt), 64);
-        if constexpr (NT == 2) _tile_loadd(5, b1->tile(kt), 64);
-        _tile_loadd(6, xt.tile(rt, kt), x_bytes);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (NT == 2) _tile_dpbf16ps(1, 5, 6);
-        if constexpr (MT == 2) {
-            _tile_loadd(7, xt.tile(rt + 1, kt), x_bytes);
-            _tile_dpbf16ps(2, 4, 7);
-            if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
-        }
-        b0.loaded(kt);
-        if constexpr (NT == 2) b1->loaded(kt);
-    }
-    _tile_stored(0, sums[0], 64);
-    if constexpr (NT == 2) _tile_stored(1, sums[1], 64);
-    if constexpr (MT == 2) _tile_stored(2, sums[2], 64);
-    if constexpr (MT == 2 && NT == 2) _tile_stored(3, sums[3], 64);
-}
+// One row tile of x^T as B tiles, for ring_block.
+struct TransposedTiles {
+    const TransposedRows& xt;
+    int64_t rt, bytes;
+    const uint16_t* tile(int64_t kt) const { return reinterpret_cast<const uint16_t*>(xt.tile(rt, kt)); }
+    void loaded(int64_t) {}
+};
 
 // Out: BF16 (bias bf16) or F32 (bias float32); w packed in layout 1, offsets present (zeros for
 // none). Returns 0, or -4 out of memory.
@@ -224,17 +196,19 @@ int quant_gemm_amx_rows(const uint16_t* x, int64_t m, int64_t x_stride, const Qu
             return LookupAhead(w.q + (tile0 + j) * bytes, n_tiles, dest, ring, w.scales + at, w.offsets + at,
                                w.group / 32);
         };
-        made_tiles_panel(chunk, p0, p1, tiles, k, make, [&](int64_t r, int64_t rows, auto& b0, auto& b1) {
-            const int64_t rt = r / 16;
-            if (rows > 16 && nt == 2) transposed_block<2, 2>(xt, rt, b0, &b1, sums);
-            else if (rows > 16) transposed_block<2, 1>(xt, rt, b0, &b1, sums);
-            else if (nt == 2) transposed_block<1, 2>(xt, rt, b0, &b1, sums);
-            else transposed_block<1, 1>(xt, rt, b0, &b1, sums);
+        made_tiles_panel(chunk, p0, p1, tiles, k, make, [&](int64_t r, int64_t rows, auto& w0, auto& w1) {
+            // the weights' column tiles as A, the row tiles of x^T as B: sums[2j + i], column
+            // tile j, row tile i, holding [column][row]
+            TransposedTiles x0{xt, r / 16, xt.stride_bytes()}, x1{xt, r / 16 + 1, xt.stride_bytes()};
+            if (rows > 16 && nt == 2) ring_block<2, 2>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);
+            else if (rows > 16) ring_block<1, 2>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);
+            else if (nt == 2) ring_block<2, 1>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);
+            else ring_block<1, 1>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);
             // + bias, rounded to bf16, masked at N: the bf16 GEMM's store.
             const StoreRow<Out> store{y + r * y_stride, y_stride, chunk.n0, n, bias};
             for (int64_t i = 0; i < rows; ++i)
                 for (int j = 0; j < nt; ++j)
-                    store(static_cast<int>(i), j, _mm512_i32gather_ps(columns, &sums[(i / 16) * 2 + j][0][i % 16], 4));
+                    store(static_cast<int>(i), j, _mm512_i32gather_ps(columns, &sums[2 * j + i / 16][0][i % 16], 4));
         });
     });
 }

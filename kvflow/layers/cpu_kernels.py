@@ -337,6 +337,7 @@ class CPUKernels:
 
 POSITION_OUT_OF_RANGE = -3  # kvflow_rotary (and the fused stack through it)
 OUT_OF_MEMORY = -4  # the fused stack's scratch allocation
+TILES_NEED_AMX = -5  # quantized tiles packed in the AMX row layout, run with AMX off
 
 
 def check_rc(rc: int, name: str, max_position: int | None = None) -> None:
@@ -347,6 +348,9 @@ def check_rc(rc: int, name: str, max_position: int | None = None) -> None:
         raise IndexError(f"{name}: a position is outside the rotary table's {max_position} positions")
     if rc == OUT_OF_MEMORY:
         raise MemoryError(f"{name}: no memory for the step's scratch buffers")
+    if rc == TILES_NEED_AMX:
+        raise RuntimeError(f"{name}: quantized tiles packed for AMX (weights as A tiles) while AMX is now off: "
+                           "pack the weight again after switching (quantization/tiles.py)")
     raise ValueError(f"{name}: unsupported input (code {rc})")
 
 

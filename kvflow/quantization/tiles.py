@@ -37,7 +37,6 @@ from kvflow.layers import cpu_kernels
 from kvflow.quantization.qweight import QuantizedWeight
 
 TILE_COLS = 16  # output columns per tile, as in the bf16 GEMM (csrc/gemm_blocking.h)
-LAYOUT_NOT_RUNNABLE = -5  # kvflow_quant_gemm_bf16's code for AMX_ROWS tiles with AMX off
 PAIRS, AMX_ROWS = 0, 1  # how a tile's quants are ordered (csrc/quant_gemm_avx2.h's kQuantPairs, kQuantAmxRows)
 
 
@@ -141,9 +140,6 @@ def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bo
         rows = x if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == k else x.reshape(-1, k).contiguous()
         out = torch.empty(rows.shape[0], n, dtype=out_dtype)
         rc = fn(code, rows.data_ptr(), rows.shape[0], k, rows.stride(0), *fixed, out.data_ptr(), n)
-        if rc == LAYOUT_NOT_RUNNABLE:
-            raise RuntimeError("quantized tiles packed for AMX (weights as A tiles) while AMX is now off: "
-                               "pack the weight again (tiles.pack) after switching")
         if rc:
             cpu_kernels.check_rc(rc, "quant_gemm_bf16")
         return out if rows is x else out.view(*x.shape[:-1], n)

@@ -256,7 +256,9 @@ class DraftModelProposer:
 def _units_for(rows: int) -> contextlib.AbstractContextManager:
     """Where a self-draft's forward of `rows` one-token rows runs: one row on the vector units
     (`CPUKernels.vector_units`: 4-bit groups decode faster there than on AMX tiles), more on
-    whatever the target uses. The draft's bits do not matter: the target verifies every guess."""
+    whatever the target uses. The draft's bits do not matter: the target verifies every guess.
+    Its weights are packed inside `_units_for(1)` too, so its 4-bit tiles take the k-pair layout
+    both units read (AMX folds it), not the AMX-only row layout."""
     kernels = cpu_kernels.load() if rows == 1 else None
     return kernels.vector_units() if kernels is not None else contextlib.nullcontext()
 
@@ -308,7 +310,8 @@ def load_draft_proposer(path: str, cfg: ModelConfig, plan: KVCachePlan, dtype: t
         differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
         raise ValueError(f"speculative_config.model: the draft's tokenizer maps tokens differently from the "
                          f"target's (e.g. {differ}); a draft must share the target's tokenizer")
-    model = load_model(path, cfg, dtype, attn_backend, "auto", seed, quantization)
+    with _units_for(1):  # its 4-bit tiles in the layout the vector units read (tiles.pack)
+        model = load_model(path, cfg, dtype, attn_backend, "auto", seed, quantization)
     if target_runner is not None:
         runner = ModelRunner(model, attn_backend, cfg, target_runner.kv, dtype, eos_token_ids,
                              kv_caches=target_runner.kv_caches)

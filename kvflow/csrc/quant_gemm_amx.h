@@ -208,11 +208,13 @@ struct AmxChunk {
     int nt;
 };
 
-// The OpenMP region the AMX quantized kernels run: `prologue()` first (a worksharing loop, whose
-// barrier ends it), then per thread the tile configuration (`configure()`), four sum tiles and, for calls of
-// more than 32 rows, room for a chunk's unpacked column tiles; then row panels [p0, p1) over
-// the column chunks, statically split (the same chunks per thread in every panel, as in
-// gemm_amx_bf16), each `body(chunk, p0, p1, tiles, sums)`. Returns 0, or -4 out of memory.
+// The OpenMP region the AMX quantized kernels run: per thread the tile configuration
+// (`configure()`), four sum tiles and, for calls of more than 32 rows, room for a chunk's unpacked
+// column tiles; then row panels [p0, p1), each first `prologue(p0, p1)` (a worksharing loop over
+// the panel's rows, whose barrier ends it, after a barrier so that no thread still reads the
+// previous panel's), then the column chunks, statically split (the same chunks per thread in every
+// panel, as in gemm_amx_bf16), each `body(chunk, p0, p1, tiles, sums)`. Returns 0, or -4 out of
+// memory.
 template <typename Configure, typename Prologue, typename Body>
 int amx_quant_chunks(int64_t m, int64_t n, int64_t k, Configure&& configure, Prologue&& prologue, Body&& body) {
     const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT), panel = amx_panel_rows(k);
@@ -220,7 +222,6 @@ int amx_quant_chunks(int64_t m, int64_t n, int64_t k, Configure&& configure, Pro
     int failed = 0;
 #pragma omp parallel
     {
-        prologue();
         auto* tiles = m <= 32 ? nullptr : static_cast<uint16_t*>(std::aligned_alloc(64, tile_bytes));
         if (m > 32 && tiles == nullptr) {
 #pragma omp atomic write
@@ -229,6 +230,10 @@ int amx_quant_chunks(int64_t m, int64_t n, int64_t k, Configure&& configure, Pro
         configure();
         alignas(64) float sums[4][16][16];
         for (int64_t p0 = 0; p0 < m; p0 += panel) {
+            if (p0 > 0) {
+#pragma omp barrier
+            }
+            prologue(p0, std::min(m, p0 + panel));
 #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < chunks; ++c) {
                 if (m > 32 && tiles == nullptr) continue;  // out of memory: `failed` is set
@@ -275,15 +280,15 @@ template <typename Out, int Bits, bool Offsets>
 int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTileWeight& w, int64_t n,
                    const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), tiles_per_group = w.group / 32, k_tiles = k / 32;
-    const int64_t tile_stride = k * kTileCols, bytes = quant_tile_bytes(Bits, k);
+    const int64_t bytes = quant_tile_bytes(Bits, k);
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
     float* xsums = Offsets ? scratch_floats<4>(m * groups) : nullptr;
     if (Offsets && xsums == nullptr) return -4;
-    auto group_sums_of_rows = [&] {
+    auto group_sums_of_rows = [&](int64_t p0, int64_t p1) {
         if constexpr (Offsets) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; ++r)
+            for (int64_t r = p0; r < p1; ++r)
                 for (int64_t g = 0; g < groups; ++g) xsums[r * groups + g] = group_sum(x + r * x_stride + g * w.group, w.group);
         }
     };
@@ -317,30 +322,22 @@ int quant_gemm_amx(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTi
         // 17 rows and more: both row tiles of a pair against both column tiles at once
         // (ring_block: one load per product against 1.5, four chains in flight; int8 at 512 rows
         // 56 ms for the model's layers against 61 two row tiles at a time). The panel's first
-        // pair unpacks the columns as it goes: into rings when it is the only pair, else whole,
-        // for the later pairs to reread.
-        alignas(64) uint16_t rings[2][4][512];
-        const bool reread = p1 - p0 > 32;
-        uint16_t* col0 = reread ? tiles : rings[0][0];
-        uint16_t* col1 = reread ? tiles + tile_stride : rings[1][0];
-        const int64_t ring = reread ? k_tiles : 4;
-        UnpackAhead<Bits> first0(w.q + tile0 * bytes, k_tiles, col0, ring);
-        UnpackAhead<Bits> first1(w.q + (tile0 + nt - 1) * bytes, nt == 2 ? k_tiles : 0, col1, ring);
-        Unpacked again0{col0}, again1{col1};
-        for (int64_t r = p0; r < p1; r += 32) {
-            const int64_t rows = std::min<int64_t>(32, p1 - r);
+        // pair unpacks the columns as it goes (made_tiles_panel).
+        auto make = [&](int j, uint16_t* dest, int64_t ring, int64_t n_tiles) {
+            return UnpackAhead<Bits>(w.q + (tile0 + j) * bytes, n_tiles, dest, ring);
+        };
+        made_tiles_panel(chunk, p0, p1, tiles, k, make, [&](int64_t r, int64_t rows, auto& b0, auto& b1) {
             const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows) - m0;
             Acc acc[2][2] = {{Acc(m0), Acc(m0)}, {Acc(m1), Acc(m1)}};
             for (int64_t g = 0; g < groups; ++g) {
                 const int64_t kt0 = g * tiles_per_group, kt1 = kt0 + tiles_per_group;
-                if (r == p0) pair_block(a, r, rows, nt, first0, first1, kt0, kt1, sums);
-                else pair_block(a, r, rows, nt, again0, again1, kt0, kt1, sums);
+                pair_block(a, r, rows, nt, b0, b1, kt0, kt1, sums);
                 for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
                     for (int j = 0; j < nt; ++j) add(acc[i][j], sums[2 * i + j], j, g, r + 16 * i);
             }
             for (int i = 0; i < (m1 > 0 ? 2 : 1); ++i)
                 for (int j = 0; j < nt; ++j) store(acc[i][j], j, r + 16 * i);
-        }
+        });
     });
 }
 

@@ -117,7 +117,7 @@ int quant_gemm_amx_folded(const uint16_t* x, int64_t m, int64_t x_stride, const 
     AmxRows a;
     if (a.init(x, m, k, x_stride) != 0) return -4;
     auto configure = [&] { configure_tiles(a.tile_rows); };
-    return amx_quant_chunks(m, n, k, configure, [] {}, [&](AmxChunk chunk, int64_t p0, int64_t p1, uint16_t* tiles,
+    return amx_quant_chunks(m, n, k, configure, [](int64_t, int64_t) {}, [&](AmxChunk chunk, int64_t p0, int64_t p1, uint16_t* tiles,
                                                           float(*sums)[16][16]) {
         const int64_t tile0 = chunk.tile0;
         auto make = [&](int j, uint16_t* dest, int64_t ring, int64_t n_tiles) {

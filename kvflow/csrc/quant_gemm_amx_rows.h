@@ -30,39 +30,42 @@
 #if defined(KVFLOW_AMX)
 namespace kvflow {
 
-// x^T as B tiles: for row tile t and k tile kt, 16 rows (k pairs) of `width` dwords, dword i of
-// row p holding x[16 t + i, 32 kt + 2p .. + 1]. width = m under 16 rows (the tiles hold only the
-// call's rows: less tile work at decode), else 16, the last row tile padded with zeros.
+// One row panel of x^T as B tiles: for the panel's row tile t and k tile kt, 16 rows (k pairs) of
+// `width` dwords, dword i of row p holding x[p0 + 16 t + i, 32 kt + 2p .. + 1]. width = m under 16
+// rows (the tiles hold only the call's rows: less tile work at decode), else 16, the panel's last
+// row tile padded with zeros. Held per panel (amx_panel_rows, about 1 MiB of x), not per call.
 struct TransposedRows {
     uint32_t* t = nullptr;
-    int64_t width = 0, k_tiles = 0, row_tiles = 0;
+    int64_t width = 0, k_tiles = 0;
 
-    // Returns 0, or -4 out of memory.
-    int init(int64_t m, int64_t k) {
-        width = std::min<int64_t>(m, 16), k_tiles = k / 32, row_tiles = (m + 15) / 16;
-        t = reinterpret_cast<uint32_t*>(scratch_floats<5>(row_tiles * k_tiles * 16 * width));
+    // Room for panels of up to `rows` rows. Returns 0, or -4 out of memory.
+    int init(int64_t m, int64_t rows, int64_t k) {
+        width = std::min<int64_t>(m, 16), k_tiles = k / 32;
+        t = reinterpret_cast<uint32_t*>(scratch_floats<5>((rows + 15) / 16 * k_tiles * 16 * width));
         return t == nullptr ? -4 : 0;
     }
     uint32_t* tile(int64_t rt, int64_t kt) const { return t + (rt * k_tiles + kt) * 16 * width; }
     int64_t stride_bytes() const { return width * 4; }
 
-    // Fills every tile; a worksharing loop over them (call from every thread of the region).
-    void fill(const uint16_t* x, int64_t m, int64_t x_stride) const {
+    // Fills the tiles of rows [p0, p1) of x; a worksharing loop over them (call from every thread
+    // of the region).
+    void fill(const uint16_t* x, int64_t p0, int64_t p1, int64_t x_stride) const {
+        const int64_t row_tiles = (p1 - p0 + 15) / 16;
 #pragma omp for schedule(static)
         for (int64_t at = 0; at < row_tiles * k_tiles; ++at) {
             const int64_t rt = at / k_tiles, kt = at % k_tiles;
             uint32_t* dst = tile(rt, kt);
             if (width < 16) {  // a decode step's few rows
                 for (int64_t i = 0; i < width; ++i) {
-                    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + i * x_stride + kt * 32);
+                    const uint32_t* src = reinterpret_cast<const uint32_t*>(x + (p0 + i) * x_stride + kt * 32);
                     for (int p = 0; p < 16; ++p) dst[p * width + i] = src[p];
                 }
                 continue;
             }
             __m512i r[16];
             for (int i = 0; i < 16; ++i) {
-                const int64_t row = rt * 16 + i;
-                r[i] = row < m ? _mm512_loadu_si512(x + row * x_stride + kt * 32) : _mm512_setzero_si512();
+                const int64_t row = p0 + rt * 16 + i;
+                r[i] = row < p1 ? _mm512_loadu_si512(x + row * x_stride + kt * 32) : _mm512_setzero_si512();
             }
             transpose16(r);
             for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p * 16, r[p]);
@@ -182,11 +185,11 @@ int quant_gemm_amx_rows(const uint16_t* x, int64_t m, int64_t x_stride, const Qu
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), bytes = quant_tile_bytes(4, k);
     TransposedRows xt;
-    if (xt.init(m, k) != 0) return -4;
+    if (xt.init(m, std::min(m, amx_panel_rows(k)), k) != 0) return -4;
     // a column of the sums (one output row), as the bf16 GEMM's store takes it
     const __m512i columns = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     auto configure = [&] { configure_transposed_tiles(xt.width); };
-    auto fill = [&] { xt.fill(x, m, x_stride); };
+    auto fill = [&](int64_t p0, int64_t p1) { xt.fill(x, p0, p1, x_stride); };
     return amx_quant_chunks(m, n, k, configure, fill, [&](AmxChunk chunk, int64_t p0, int64_t p1, uint16_t* tiles,
                                                          float(*sums)[16][16]) {
         const int64_t tile0 = chunk.tile0;
@@ -199,7 +202,8 @@ int quant_gemm_amx_rows(const uint16_t* x, int64_t m, int64_t x_stride, const Qu
         made_tiles_panel(chunk, p0, p1, tiles, k, make, [&](int64_t r, int64_t rows, auto& w0, auto& w1) {
             // the weights' column tiles as A, the row tiles of x^T as B: sums[2j + i], column
             // tile j, row tile i, holding [column][row]
-            TransposedTiles x0{xt, r / 16, xt.stride_bytes()}, x1{xt, r / 16 + 1, xt.stride_bytes()};
+            const int64_t rt = (r - p0) / 16;  // within the panel
+            TransposedTiles x0{xt, rt, xt.stride_bytes()}, x1{xt, rt + 1, xt.stride_bytes()};
             if (rows > 16 && nt == 2) ring_block<2, 2>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);
             else if (rows > 16) ring_block<1, 2>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);
             else if (nt == 2) ring_block<2, 1>(w0, &w1, x0, &x1, 0, xt.k_tiles, sums);

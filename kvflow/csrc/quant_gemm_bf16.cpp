@@ -238,11 +238,14 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
 template <typename Out>
 int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
+    if (w.layout == kvflow::kQuantAmxRows) {
+        if (w.bits != 4 || w.offsets == nullptr || w.group % 32 != 0 || w.k % w.group != 0) return -1;
 #if defined(KVFLOW_AMX)
-    if (w.layout == kvflow::kQuantAmxRows)
-        return kvflow::amx_enabled() ? kvflow::quant_gemm_amx_rows<Out>(x, m, x_stride, w, n, bias, y, y_stride) : -5;
+        if (kvflow::amx_enabled()) return kvflow::quant_gemm_amx_rows<Out>(x, m, x_stride, w, n, bias, y, y_stride);
 #endif
-    if (w.layout != kvflow::kQuantPairs) return -5;
+        return -5;  // packed while AMX ran the GEMMs; it does not now
+    }
+    if (w.layout != kvflow::kQuantPairs) return -1;
     auto run = [&](auto bits, auto offsets) {
         constexpr int Bits = decltype(bits)::value;
         constexpr bool Offsets = decltype(offsets)::value;

@@ -349,8 +349,9 @@ def check_rc(rc: int, name: str, max_position: int | None = None) -> None:
     if rc == OUT_OF_MEMORY:
         raise MemoryError(f"{name}: no memory for the step's scratch buffers")
     if rc == TILES_NEED_AMX:
-        raise RuntimeError(f"{name}: quantized tiles packed for AMX (weights as A tiles) while AMX is now off: "
-                           "pack the weight again after switching (quantization/tiles.py)")
+        raise RuntimeError(f"{name}: quantized tiles packed for AMX (weights as A tiles) while AMX is now off; "
+                           "load the model under the AMX setting it runs with (KVFLOW_AMX), and do not switch AMX "
+                           "off (set_amx, vector_units) around a model loaded with it on")
     raise ValueError(f"{name}: unsupported input (code {rc})")
 
 

@@ -152,7 +152,7 @@ def _q4_1(n: int, k: int, gen: torch.Generator, float16: bool) -> QuantizedWeigh
 
 @pytest.mark.parametrize("which", ["int4 g32", "int4 g128", "q8_0", "int8 per channel, K 128", "gguf q4_1",
                                    "q4_1, float32 scales", "q8_0, float32 scales"])
-@pytest.mark.parametrize("m", [1, 3, 16, 24, 33, 70])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 24, 33, 48, 70])
 def test_amx_short_groups_give_the_bf16_gemms_bits(kernels, which, m):
     """On AMX a layer of short groups is the bf16 layer of its dequantized weights, bit for bit:
     the weights folded as q * s + o (two float32 roundings, as `dequantize` computes them), then
@@ -177,6 +177,23 @@ def test_amx_short_groups_give_the_bf16_gemms_bits(kernels, which, m):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         packed = kernels.pack_weight(qw.dequantize().to(torch.bfloat16))
         assert torch.equal(op(x), kernels.gemm(x, packed, n, bias))
+
+
+def test_amx_short_groups_past_a_panel_give_the_bf16_gemms_bits(kernels):
+    """Past a row panel (64 rows at K = 8,160), where x^T is made again per panel for the
+    row-layout kernel: still the bf16 GEMM's bits, with a strided x and a bias."""
+    with amx_mode(kernels, "auto"):
+        gen = torch.Generator().manual_seed(5)
+        n, k = 40, 8160  # groups of 32 and of 96 (three k tiles) divide it
+        tile_lib = tiles._bind(kernels.lib)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        for qw in (methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 32),
+                   methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 96)):
+            t = tiles.pack(qw, lib=tile_lib)
+            assert t.layout == tiles.AMX_ROWS
+            x = torch.randn(150, k + 64, generator=gen).to(torch.bfloat16)[:, 32 : 32 + k]  # rows k + 64 apart
+            packed = kernels.pack_weight(qw.dequantize().to(torch.bfloat16))
+            assert torch.equal(tiles.prepare(t, bias, lib=tile_lib)(x), kernels.gemm(x.contiguous(), packed, n, bias))
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -307,6 +324,8 @@ def test_quantized_bf16_engine_runs_on_tiles_in_the_fused_stack(kernels, tiny_mo
         down = model.layers[0].mlp.down_proj
         assert down.packing == "quantized-tiles" and down.quant_weight.qweight.device.type == "meta"
         assert down.quant_weight.source == method
+        amx_rows = kernels.amx and method == "int4"  # the AMX-only layout, through the stack's struct too
+        assert (down.quant_tiles.layout == tiles.AMX_ROWS) == amx_rows
         outs = llm.generate(prompts, params, use_tqdm=False)
         if flag == "1":
             assert model.fused_stack is not None and model.fused_stack.steps_run > 0

@@ -17,8 +17,11 @@
 //
 // Layout (kvflow_pack_quant_tiles, layout 1): per column tile of 16 and k tile of 32, 8 row pairs
 // of 32 bytes, byte i = column 2p's input i (low nibble) | column 2p + 1's (high nibble); scales
-// and offsets as the pair layout's, [tiles][groups][16]. The vector kernels cannot read it, so it
-// is packed only where this kernel will run (kvflow_quant_tiles_layout).
+// and offsets as the pair layout's, [tiles][groups][16]. Layout 2, where every scale and offset is
+// a float16 value (GGUF's, and quantize_int4's): per column tile and group, the 16 scales and 16
+// offsets as float16, then the group's k tiles as in layout 1: a third fewer bytes at groups of
+// 32, in one stream. The vector kernels cannot read either, so they are packed only where this
+// kernel will run (kvflow_quant_tiles_layout).
 #pragma once
 
 #include <algorithm>
@@ -100,17 +103,21 @@ struct TransposedRows {
 
 // A tiles of one column tile, dequantized from the nibbles kAhead k tiles before the tile unit
 // needs them, into a ring of `ring` tiles (4 at decode sizes; every k tile when later row tiles
-// reread the column): FoldAhead's schedule, with table lookups for its arithmetic.
+// reread the column): FoldAhead's schedule, with table lookups for its arithmetic. Half: the
+// layout kQuantAmxRowsHalf, whose group blocks carry float16 scales and offsets before their quants.
+template <bool Half>
 struct LookupAhead {
     static constexpr int64_t kAhead = 3;
     static constexpr int64_t kScalesAhead = 1024;  // floats, as FoldAhead asks
-    const uint8_t* q;
+    const uint8_t* q;  // this column tile's quants (Half: its group blocks)
     int64_t k_tiles;
     uint16_t* slots;
     int64_t ring;
-    const float* s;  // this column tile's scales [groups][16]
+    const float* s;  // this column tile's scales [groups][16] (Half: null)
     const float* o;  // and offsets
     int64_t tiles_per_group;
+    alignas(64) float group_scales[16];  // Half: the current group's, widened to float32
+    alignas(64) float group_offsets[16];
     alignas(64) uint16_t made[8][32];  // groups of 2+ k tiles: the group's tables, made at its first
 
     LookupAhead(const uint8_t* quants, int64_t tiles, uint16_t* dest, int64_t ring_tiles, const float* scales,
@@ -118,11 +125,14 @@ struct LookupAhead {
         : q(quants), k_tiles(tiles), slots(dest), ring(ring_tiles), s(scales), o(offsets), tiles_per_group(group_tiles) {
         for (int64_t kt = 0; kt < std::min(kAhead, k_tiles); ++kt) unpack(kt);
     }
-    // bf16(j * s + o) for j = 0..15: the product and the sum each rounded in float32 (the
-    // explicit-rounding forms, never contracted into an FMA), as FoldAhead::dequantize does.
+    // bf16(j * s + o) for j = 0..15, as FoldAhead::dequantize rounds it: the product and the sum
+    // each rounded in float32. With float32 scales these are the explicit-rounding forms, never
+    // contracted into an FMA. A float16 scale has 11 significant bits and j at most 4, so j * s is
+    // exact in float32 and one FMA rounds as the two operations do.
     static inline __m512 table(float scale, float offset) {
         constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         const __m512 j = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        if constexpr (Half) return _mm512_fmadd_ps(j, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
         return _mm512_add_round_ps(_mm512_mul_round_ps(j, _mm512_set1_ps(scale), kNearest), _mm512_set1_ps(offset),
                                    kNearest);
     }
@@ -132,20 +142,31 @@ struct LookupAhead {
     }
     void unpack(int64_t kt) {
         const int64_t g = kt / tiles_per_group;
-        const float* sg = s + g * 16;
-        const float* og = o + g * 16;
+        const bool first = kt % tiles_per_group == 0;
+        const float *sg = group_scales, *og = group_offsets;
+        const uint8_t* src;
+        if constexpr (Half) {  // one stream: the prefetches of the quants below take the scales along
+            const uint8_t* block = q + g * half_rows_group_bytes(tiles_per_group * 32);
+            if (first) {
+                _mm512_store_ps(group_scales, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block))));
+                _mm512_store_ps(group_offsets,
+                                _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32))));
+            }
+            src = block + 64 + kt % tiles_per_group * 256;
+        } else {
+            sg = s + g * 16, og = o + g * 16, src = q + kt * 256;
+            if (first) {
+                _mm_prefetch(reinterpret_cast<const char*>(sg + kScalesAhead), _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(og + kScalesAhead), _MM_HINT_T1);
+            }
+        }
         // k tiles are unpacked in order, so a longer group's tables are made once, at its first
         // (GPTQ's 128 inputs: a quarter of the tables' work).
         const bool reuse = tiles_per_group > 1;
-        if (!reuse || kt % tiles_per_group == 0) {
-            _mm_prefetch(reinterpret_cast<const char*>(sg + kScalesAhead), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(og + kScalesAhead), _MM_HINT_T1);
-            if (reuse)
-                for (int p = 0; p < 8; ++p) _mm512_store_si512(made[p], tables(sg, og, p));
-        }
+        if (reuse && first)
+            for (int p = 0; p < 8; ++p) _mm512_store_si512(made[p], tables(sg, og, p));
         const __m512i nibble = _mm512_set1_epi16(0x0F), high_table = _mm512_set1_epi16(16);
         uint16_t* out = slots + kt % ring * 512;
-        const uint8_t* src = q + kt * 256;
         for (int p = 0; p < 8; ++p, src += 32, out += 64) {
             if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T1);
             const __m512i pair_tables = reuse ? _mm512_load_si512(made[p]) : tables(sg, og, p);
@@ -178,12 +199,12 @@ struct TransposedTiles {
     void loaded(int64_t) {}
 };
 
-// Out: BF16 (bias bf16) or F32 (bias float32); w packed in layout 1, offsets present (zeros for
-// none). Returns 0, or -4 out of memory.
-template <typename Out>
+// Out: BF16 (bias bf16) or F32 (bias float32); w packed in layout 1 (offsets present, zeros for
+// none) or, Half, in layout 2. Returns 0, or -4 out of memory.
+template <typename Out, bool Half>
 int quant_gemm_amx_rows(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTileWeight& w, int64_t n,
                         const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
-    const int64_t k = w.k, groups = w.groups(), bytes = quant_tile_bytes(4, k);
+    const int64_t k = w.k, groups = w.groups(), bytes = quant_tile_bytes(4, k, w.layout, w.group);
     TransposedRows xt;
     if (xt.init(m, std::min(m, amx_panel_rows(k)), k) != 0) return -4;
     // a column of the sums (one output row), as the bf16 GEMM's store takes it
@@ -196,8 +217,8 @@ int quant_gemm_amx_rows(const uint16_t* x, int64_t m, int64_t x_stride, const Qu
         const int nt = chunk.nt;
         auto make = [&](int j, uint16_t* dest, int64_t ring, int64_t n_tiles) {
             const int64_t at = (tile0 + j) * groups * kTileCols;
-            return LookupAhead(w.q + (tile0 + j) * bytes, n_tiles, dest, ring, w.scales + at, w.offsets + at,
-                               w.group / 32);
+            return LookupAhead<Half>(w.q + (tile0 + j) * bytes, n_tiles, dest, ring, Half ? nullptr : w.scales + at,
+                                     Half ? nullptr : w.offsets + at, w.group / 32);
         };
         made_tiles_panel(chunk, p0, p1, tiles, k, make, [&](int64_t r, int64_t rows, auto& w0, auto& w1) {
             // the weights' column tiles as A, the row tiles of x^T as B: sums[2j + i], column

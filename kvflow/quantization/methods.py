@@ -26,12 +26,18 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     """Asymmetric 4-bit per group over the group's own range: q in 0..15, w ~ scale * q + min
     (llama.cpp's Q4_1 scheme, a float zero point). Unlike an integer zero point whose range
     must hold 0, every one of the 16 levels lands inside the group's values; a group already on
-    such a grid (a Q4_1 block) comes back exactly."""
+    such a grid (a Q4_1 block) comes back exactly. Scales and minimums are float16 values, as
+    Q4_1 stores them (a relative change under 2^-11, far inside a level's width): the AMX kernel
+    then reads them as float16 (tiles.AMX_ROWS_HALF). A weight whose scales float16 cannot hold
+    (under 2^-24 or over 65,504) keeps float32's."""
     n, k = weight.shape
     w = weight.detach().float().view(n, k // group_size, group_size)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     scales = (high - low) / 15.0
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 0, w = min
+    half_scales, half_low = scales.half().float(), low.half().float()
+    if bool((half_scales > 0).all() and torch.isfinite(half_scales).all() and torch.isfinite(half_low).all()):
+        scales, low = half_scales, half_low
     q = torch.round((w - low.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
     return QuantizedWeight(pack_int4(q.view(n, k)), scales.contiguous(), low.contiguous(), 4, group_size, k, "int4")
 

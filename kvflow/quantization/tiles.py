@@ -16,7 +16,9 @@ gives the bf16 layer's bits for those weights and prefill at the bf16 GEMM's rat
 in such groups are then packed in their own layout (AMX_ROWS: the weights as the tile product's
 A operand, csrc/quant_gemm_amx_rows.h), where dequantizing is a lookup in a 16-entry table per
 column and group: the same bits, at about 0.6x the arithmetic, which a decode step's one row
-otherwise pays in full.
+otherwise pays in full. Where every scale and offset is a float16 value (a GGUF file's always,
+`methods.quantize_int4`'s by construction) they travel as float16 inside the quant stream
+(AMX_ROWS_HALF): a third fewer bytes for groups of 32, which a decode step reads once each.
 quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
 for CPUs without AVX2.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,21 +40,22 @@ from kvflow.layers import cpu_kernels
 from kvflow.quantization.qweight import QuantizedWeight
 
 TILE_COLS = 16  # output columns per tile, as in the bf16 GEMM (csrc/gemm_blocking.h)
-PAIRS, AMX_ROWS = 0, 1  # how a tile's quants are ordered (csrc/quant_gemm_avx2.h's kQuantPairs, kQuantAmxRows)
+# how a tile's quants are ordered (csrc/quant_gemm_avx2.h's kQuantPairs, kQuantAmxRows, kQuantAmxRowsHalf)
+PAIRS, AMX_ROWS, AMX_ROWS_HALF = 0, 1, 2
 
 
 @dataclass
 class QuantTiles:
     """A `QuantizedWeight` in tile order (csrc/quant_gemm_bf16.cpp describes the layout)."""
 
-    q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)]
-    scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16]
-    offsets: torch.Tensor | None  # the same shape; 4 bits: always (zeros for none)
+    q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)] (AMX_ROWS_HALF: with the scales and offsets)
+    scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16] (AMX_ROWS_HALF: empty)
+    offsets: torch.Tensor | None  # the same shape; 4 bits: always (zeros for none; AMX_ROWS_HALF: None)
     bits: int
     group_size: int
     in_features: int
     out_features: int
-    layout: int = PAIRS  # AMX_ROWS: only the AMX kernel reads it (packed while AMX runs the GEMMs)
+    layout: int = PAIRS  # AMX_ROWS(_HALF): only the AMX kernel reads it (packed while AMX runs the GEMMs)
 
     @property
     def nbytes(self) -> int:
@@ -69,9 +73,9 @@ def _library() -> ctypes.CDLL | None:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvflow_quant_tiles_bytes.argtypes = [ctypes.c_int, i64, i64]
+    lib.kvflow_quant_tiles_bytes.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, i64]
     lib.kvflow_quant_tiles_bytes.restype = i64
-    lib.kvflow_quant_tiles_layout.argtypes = [ctypes.c_int, i64, i64]
+    lib.kvflow_quant_tiles_layout.argtypes = [ctypes.c_int, i64, i64, ctypes.c_int]
     lib.kvflow_quant_tiles_layout.restype = ctypes.c_int
     lib.kvflow_pack_quant_tiles.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.kvflow_pack_quant_tiles.restype = ctypes.c_int
@@ -92,29 +96,89 @@ def supports(weight: QuantizedWeight) -> bool:
     return weight.bits in (4, 8) and group % 4 == 0 and k % group == 0 and (weight.bits == 8 or k % 32 == 0)
 
 
-def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> QuantTiles:
-    """The tile form of `weight` (its tensors are only read), in the layout the kernels want now:
-    AMX_ROWS for 4-bit weights in short groups while AMX runs the GEMMs, else PAIRS. `lib` is for
-    tests (an emulated build)."""
-    lib = lib or _library()
-    if lib is None:
-        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16 or AVX2 + FMA")
+def float16_values(t: torch.Tensor | None) -> bool:
+    """Whether every element of `t` (None: zeros) is a float16 value, so float16 holds it exactly."""
+    return t is None or bool(torch.equal(t.float().half().float(), t.float()))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What `pack` will make of a weight: its layout and its tensors' sizes."""
+
+    layout: int
+    q_bytes: int
+    scales_shape: tuple[int, ...]
+    offsets: bool
+
+    @property
+    def nbytes(self) -> int:
+        """All of it, each tensor starting 64-byte aligned (as placed in a shared buffer)."""
+        floats = _aligned(math.prod(self.scales_shape) * 4)
+        return _aligned(self.q_bytes) + floats * (2 if self.offsets else 1)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def _plan(weight: QuantizedWeight, lib: ctypes.CDLL) -> _Plan:
     if not supports(weight):
         raise ValueError(f"quantized tiles: groups of {weight.group_size} over {weight.in_features} inputs")
     n, k = weight.out_features, weight.in_features
-    tiles = -(-n // TILE_COLS)
-    q = torch.empty(lib.kvflow_quant_tiles_bytes(weight.bits, n, k), dtype=torch.uint8)
-    groups = k // weight.group_size
-    scales = torch.empty(tiles, groups, TILE_COLS, dtype=torch.float32)
-    offsets = None if weight.offsets is None and weight.bits == 8 else torch.empty_like(scales)
+    half = weight.bits == 4 and float16_values(weight.scales) and float16_values(weight.offsets)
+    layout = lib.kvflow_quant_tiles_layout(weight.bits, weight.group_size, k, int(half))
+    if layout == AMX_ROWS_HALF:  # the scales and offsets travel in q
+        return _Plan(layout, lib.kvflow_quant_tiles_bytes(weight.bits, layout, weight.group_size, n, k), (0,), False)
+    return _Plan(layout, lib.kvflow_quant_tiles_bytes(weight.bits, layout, weight.group_size, n, k),
+                 (-(-n // TILE_COLS), k // weight.group_size, TILE_COLS), weight.offsets is not None or weight.bits == 4)
+
+
+def _require(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16 or AVX2 + FMA")
+    return lib
+
+
+def packed_bytes(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> int:
+    """The size of the `out` buffer `pack(weight, out=...)` fills: a decode step streams every
+    weight, so the loader places all of them in one buffer on 2 MiB pages
+    (`layers.linear.pack_linear_weights`)."""
+    return _plan(weight, _require(lib)).nbytes
+
+
+def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> QuantTiles:
+    """The tile form of `weight` (its tensors are only read), in the layout the kernels want now:
+    AMX_ROWS (AMX_ROWS_HALF where the scales and offsets are float16 values) for 4-bit weights in
+    short groups while AMX runs the GEMMs, else PAIRS. Its tensors are views of `out` (uint8,
+    `packed_bytes(weight)` of them) when given. `lib` is for tests (an emulated build)."""
+    lib = _require(lib)
+    plan = _plan(weight, lib)
+    n, k = weight.out_features, weight.in_features
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != plan.nbytes or not out.is_contiguous()):
+        raise ValueError(f"quantized tiles: `out` must be {plan.nbytes} contiguous bytes, not {out.numel()} "
+                         f"of {out.dtype}")
+    carved = 0
+
+    def tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nonlocal carved
+        if out is None:
+            return torch.empty(shape, dtype=dtype)
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        view = out[carved: carved + size].view(dtype).view(shape)
+        carved += _aligned(size)
+        return view
+
+    q = tensor((plan.q_bytes,), torch.uint8)
+    scales = tensor(plan.scales_shape, torch.float32)
+    offsets = tensor(plan.scales_shape, torch.float32) if plan.offsets else None
     src_q, src_scales = weight.qweight.contiguous(), weight.scales.float().contiguous()  # held across the call
     src_offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
-    layout = lib.kvflow_quant_tiles_layout(weight.bits, weight.group_size, k)
-    rc = lib.kvflow_pack_quant_tiles(weight.bits, layout, src_q.data_ptr(), src_scales.data_ptr(),
+    rc = lib.kvflow_pack_quant_tiles(weight.bits, plan.layout, src_q.data_ptr(), src_scales.data_ptr(),
                                      None if src_offsets is None else src_offsets.data_ptr(), weight.group_size, n, k,
                                      q.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr())
     cpu_kernels.check_rc(rc, "pack_quant_tiles")
-    return QuantTiles(q, scales, offsets, weight.bits, weight.group_size, k, n, layout)
+    return QuantTiles(q, scales, offsets, weight.bits, weight.group_size, k, n, plan.layout)
 
 
 def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bool = False,
@@ -122,9 +186,7 @@ def prepare(tiles: QuantTiles, bias: torch.Tensor | None = None, float32_out: bo
     """y = x @ dequant(W)^T (+ bias) for bf16 x [M, K], everything but x bound once (a decode
     step makes ~120 such calls). The bias is rounded to bf16, as the bf16 model's is; with
     `float32_out` the output is the float32 accumulator (the LM head's logits)."""
-    lib = lib or _library()
-    if lib is None:
-        raise RuntimeError("quantized tiles need kvflow's CPU kernels on a CPU with AVX512-BF16 or AVX2 + FMA")
+    lib = _require(lib)
     out_dtype = torch.float32 if float32_out else torch.bfloat16
     bias_t = None if bias is None else bias.detach().to(torch.bfloat16).to(out_dtype).contiguous()
     k, n = tiles.in_features, tiles.out_features

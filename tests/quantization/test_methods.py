@@ -27,14 +27,18 @@ def test_int4_error_within_half_a_step():
     deq = qw.dequantize()
     groups = w.view(32, 4, 64)
     step = (groups.amax(-1) - groups.amin(-1)) / 15
-    assert ((deq - w).view(32, 4, 64).abs() <= step.unsqueeze(-1) / 2 + 1e-6).all()
+    # the scale and minimum are float16 values: each within 2^-11 of its own size of the exact one
+    grid = 2.0**-11 * (groups.amin(-1).abs() + groups.amax(-1) - groups.amin(-1))
+    assert ((deq - w).view(32, 4, 64).abs() <= (step / 2 + grid).unsqueeze(-1) + 1e-6).all()
+    assert torch.equal(qw.scales.half().float(), qw.scales) and torch.equal(qw.offsets.half().float(), qw.offsets)
     assert torch.equal(deq[0], torch.zeros(256)) and torch.equal(deq[1, :64], torch.full((64,), 0.5))
     assert int(qw.int_values().max()) <= 15
 
 
 def test_int4_reproduces_a_q4_1_grid_exactly():
-    """A group already on 16 evenly spaced levels (what a GGUF Q4_1 block holds) is kept as is."""
-    d, m = torch.tensor(0.0125), torch.tensor(-0.1)
+    """A group already on 16 evenly spaced levels (what a GGUF Q4_1 block holds: its step and
+    minimum float16 values) is kept as is."""
+    d, m = torch.tensor(0.0125).half().float(), torch.tensor(-0.1).half().float()
     q = torch.randint(0, 16, (8, 32))
     q[:, 0], q[:, 1] = 0, 15  # both ends present
     w = q.float() * d + m

@@ -141,6 +141,12 @@ def test_amx_tiles_sum_otherwise_than_vdpbf16ps(kernels):
         assert (on, off) == ([32.0], [0.0])
 
 
+def _float32_scales(qw: QuantizedWeight) -> QuantizedWeight:
+    """`qw` with scales float16 cannot hold (float32's full significand): the AMX_ROWS layout."""
+    return QuantizedWeight(qw.qweight, qw.scales * (1 + 2**-20), qw.offsets, qw.bits, qw.group_size, qw.in_features,
+                           qw.source)
+
+
 def _q4_1(n: int, k: int, gen: torch.Generator, float16: bool) -> QuantizedWeight:
     """Random 4-bit values with a scale and minimum per 32, in float16 as a GGUF file stores
     them, or with float32's full significand."""
@@ -187,10 +193,12 @@ def test_amx_short_groups_past_a_panel_give_the_bf16_gemms_bits(kernels):
         n, k = 40, 8160  # groups of 32 and of 96 (three k tiles) divide it
         tile_lib = tiles._bind(kernels.lib)
         bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-        for qw in (methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 32),
-                   methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 96)):
+        for qw, layout in ((methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 32), tiles.AMX_ROWS_HALF),
+                           (methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 96), tiles.AMX_ROWS_HALF),
+                           (_float32_scales(methods.quantize_int4(torch.randn(n, k, generator=gen) * 0.1, 32)),
+                            tiles.AMX_ROWS)):
             t = tiles.pack(qw, lib=tile_lib)
-            assert t.layout == tiles.AMX_ROWS
+            assert t.layout == layout
             x = torch.randn(150, k + 64, generator=gen).to(torch.bfloat16)[:, 32 : 32 + k]  # rows k + 64 apart
             packed = kernels.pack_weight(qw.dequantize().to(torch.bfloat16))
             assert torch.equal(tiles.prepare(t, bias, lib=tile_lib)(x), kernels.gemm(x.contiguous(), packed, n, bias))
@@ -208,7 +216,7 @@ def test_amx_pair_tiles_of_4_bits_still_fold(kernels, m):
         pairs = tiles.pack(qw, lib=tile_lib)
     with amx_mode(kernels, "auto"):
         rows = tiles.pack(qw, lib=tile_lib)
-        assert (pairs.layout, rows.layout) == (tiles.PAIRS, tiles.AMX_ROWS)
+        assert (pairs.layout, rows.layout) == (tiles.PAIRS, tiles.AMX_ROWS_HALF)
         assert torch.equal(tiles.prepare(pairs, lib=tile_lib)(x), tiles.prepare(rows, lib=tile_lib)(x))
 
 
@@ -218,21 +226,73 @@ def test_amx_row_tiles_are_packed_for_short_4_bit_groups_only_and_refused_withou
     w = torch.randn(32, 512, generator=torch.Generator().manual_seed(1)) * 0.1
     tile_lib = tiles._bind(kernels.lib)
     cases = {"int4 g32": methods.quantize_int4(w, 32), "int4 g128": methods.quantize_int4(w, 128),
+             "int4 g32, float32 scales": _float32_scales(methods.quantize_int4(w, 32)),
              "int4 g256": methods.quantize_int4(w, 256), "int8 g32": methods.quantize_int8(w, 32),
              "int8": methods.quantize_int8(w)}
     with amx_mode(kernels, "off"):
         assert {tiles.pack(qw, lib=tile_lib).layout for qw in cases.values()} == {tiles.PAIRS}
     with amx_mode(kernels, "auto"):
         layouts = {name: tiles.pack(qw, lib=tile_lib).layout for name, qw in cases.items()}
-        assert layouts == {"int4 g32": tiles.AMX_ROWS, "int4 g128": tiles.AMX_ROWS, "int4 g256": tiles.PAIRS,
+        assert layouts == {"int4 g32": tiles.AMX_ROWS_HALF, "int4 g128": tiles.AMX_ROWS_HALF,
+                           "int4 g32, float32 scales": tiles.AMX_ROWS, "int4 g256": tiles.PAIRS,
                            "int8 g32": tiles.PAIRS, "int8": tiles.PAIRS}
-        op = tiles.prepare(tiles.pack(cases["int4 g32"], lib=tile_lib), lib=tile_lib)
         x = torch.randn(2, 512).to(torch.bfloat16)
-        before = op(x)
-        with amx_mode(kernels, "off"):
-            with pytest.raises(RuntimeError, match="packed for AMX"):
-                op(x)
-        assert torch.equal(op(x), before)
+        for name in ("int4 g32", "int4 g32, float32 scales"):
+            op = tiles.prepare(tiles.pack(cases[name], lib=tile_lib), lib=tile_lib)
+            before = op(x)
+            with amx_mode(kernels, "off"):
+                with pytest.raises(RuntimeError, match="packed for AMX"):
+                    op(x)
+            assert torch.equal(op(x), before)
+
+
+def test_amx_half_layout_takes_exactly_the_float16_values(kernels):
+    """Scales and offsets travel as float16 only when every one is a float16 value, subnormals
+    included; a weight with a single other value keeps float32's (AMX_ROWS), and the packer
+    refuses the float16 layout for it outright. Both give the bf16 GEMM's bits."""
+    if not kernels.amx:
+        pytest.skip("no AMX on this CPU (or Linux does not grant its tiles)")
+    gen = torch.Generator().manual_seed(3)
+    n, k = 40, 128
+    tile_lib = tiles._bind(kernels.lib)
+    subnormal = torch.randint(1, 1024, (n, k // 32), generator=gen).float() * 2.0**-24  # float16 subnormals
+    qw = QuantizedWeight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen), subnormal,
+                         (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float(), 4, 32, k, "q4_1")
+    one_off = subnormal.clone()
+    one_off[7, 2] = 2.0**-25  # under the least float16 subnormal
+    off_qw = QuantizedWeight(qw.qweight, one_off, qw.offsets, 4, 32, k, "q4_1")
+    x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    with amx_mode(kernels, "auto"):
+        for weight, layout in ((qw, tiles.AMX_ROWS_HALF), (off_qw, tiles.AMX_ROWS)):
+            t = tiles.pack(weight, lib=tile_lib)
+            assert t.layout == layout
+            packed = kernels.pack_weight(weight.dequantize().to(torch.bfloat16))
+            assert torch.equal(tiles.prepare(t, lib=tile_lib)(x), kernels.gemm(x, packed, n, None))
+        q = torch.empty(tile_lib.kvflow_quant_tiles_bytes(4, tiles.AMX_ROWS_HALF, 32, n, k), dtype=torch.uint8)
+        src_offsets = off_qw.offsets.contiguous()
+        rc = tile_lib.kvflow_pack_quant_tiles(4, tiles.AMX_ROWS_HALF, off_qw.qweight.data_ptr(), one_off.data_ptr(),
+                                              src_offsets.data_ptr(), 32, n, k, q.data_ptr(), None, None)
+        assert rc == -1
+
+
+def test_tiles_pack_into_a_given_buffer(lib):
+    """`out` (the loader's shared huge-page buffer) holds the same tiles as a pack of their own,
+    in every layout; a buffer of the wrong size is refused."""
+    kernels, tile_lib = lib
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 96, generator=gen) * 0.1
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    for qw in (methods.quantize_int4(w, 32), _float32_scales(methods.quantize_int4(w, 32)), methods.quantize_int8(w),
+               methods.quantize_int8(w, 32)):
+        size = tiles.packed_bytes(qw, lib=tile_lib)
+        out = torch.full((size + 64,), 0xAB, dtype=torch.uint8)[64:]  # stale bytes, 64-byte offset
+        placed = tiles.pack(qw, lib=tile_lib, out=out)
+        assert placed.q.data_ptr() == out.data_ptr()
+        own = tiles.pack(qw, lib=tile_lib)
+        assert placed.layout == own.layout
+        assert torch.equal(tiles.prepare(placed, lib=tile_lib)(x), tiles.prepare(own, lib=tile_lib)(x))
+        with pytest.raises(ValueError, match="must be"):
+            tiles.pack(qw, lib=tile_lib, out=out[:-1])
 
 
 def test_amx_fold_rounds_twice_where_products_are_inexact(kernels):
@@ -325,7 +385,10 @@ def test_quantized_bf16_engine_runs_on_tiles_in_the_fused_stack(kernels, tiny_mo
         assert down.packing == "quantized-tiles" and down.quant_weight.qweight.device.type == "meta"
         assert down.quant_weight.source == method
         amx_rows = kernels.amx and method == "int4"  # the AMX-only layout, through the stack's struct too
-        assert (down.quant_tiles.layout == tiles.AMX_ROWS) == amx_rows
+        assert (down.quant_tiles.layout == tiles.AMX_ROWS_HALF) == amx_rows  # quantize_int4's float16 scales
+        storages = {m.quant_tiles.q.untyped_storage().data_ptr() for m in model.modules() if
+                    getattr(m, "quant_tiles", None) is not None}
+        assert len(storages) == 1, "the tiles are not in the loader's one buffer"
         outs = llm.generate(prompts, params, use_tqdm=False)
         if flag == "1":
             assert model.fused_stack is not None and model.fused_stack.steps_run > 0

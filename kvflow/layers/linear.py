@@ -73,11 +73,17 @@ class Linear(nn.Linear):
         except ValueError:  # a layout the GEMM has no packing for (bf16 with an odd K)
             return None
 
+    def quant_tiles_bytes(self) -> int | None:
+        """The bytes `pack()` will fill with this quantized weight's tiles, or None when it will
+        not take them."""
+        return tile_kernels.packed_bytes(self.quant_weight) if self._takes_tiles() else None
+
     def pack(self, out: torch.Tensor | None = None) -> None:
         """Pack the weight for the fastest GEMM this machine has; kvflow's layout goes into
-        `out` when given (a contiguous tensor of `kvflow_packed_shape()`)."""
+        `out` when given (a contiguous tensor of `kvflow_packed_shape()`, or for a quantized
+        weight of `quant_tiles_bytes()` bytes)."""
         if self.quant_weight is not None:
-            self._pack_quantized()
+            self._pack_quantized(out)
             return
         if self.weight.device.type == "meta":
             return  # packed already, and the plain weight released
@@ -105,14 +111,19 @@ class Linear(nn.Linear):
             except RuntimeError:
                 pass
 
-    def _pack_quantized(self) -> None:
-        """bf16 models where the tiles run: the quantized weight in tiles (its row layout released)."""
+    def _takes_tiles(self) -> bool:
+        """bf16 models where the tiles run, a quantized weight not yet in them."""
         qw = self.quant_weight
-        if (self.quant_tiles is not None or self.weight.dtype != torch.bfloat16 or qw.qweight.device.type != "cpu"
-                or not tile_kernels.available()
-                or not tile_kernels.supports(qw) or os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0"):
+        return (qw is not None and self.quant_tiles is None and self.weight.dtype == torch.bfloat16
+                and qw.qweight.device.type == "cpu" and tile_kernels.available() and tile_kernels.supports(qw)
+                and os.environ.get("KVFLOW_PACKED_LINEAR", "1") != "0")
+
+    def _pack_quantized(self, out: torch.Tensor | None = None) -> None:
+        """The quantized weight in tiles where they run (its row layout released)."""
+        if not self._takes_tiles():
             return
-        self.quant_tiles, self.packing = tile_kernels.pack(qw), "quantized-tiles"
+        qw = self.quant_weight
+        self.quant_tiles, self.packing = tile_kernels.pack(qw, out=out), "quantized-tiles"
         self.quant_weight = qw.released()
         self._quant_op = self._quant_logits_op = None
 
@@ -163,14 +174,15 @@ def pack_linear_weights(model: nn.Module) -> dict[str, int]:
     uses (a tied LM head's weight is the embedding table, which stays); returns how many
     Linears took each packing.
 
-    Weights in kvflow's layout are packed into one buffer per dtype on 2 MiB pages: a decode
-    step streams all of them, and on 4 KiB pages the GEMMs measured 2-14 % slower at 1-32
-    rows (the most at 1 row)."""
+    Weights in kvflow's layout are packed into one buffer per dtype on 2 MiB pages, and so are
+    quantized weights' tiles: a decode step streams all of them, and on 4 KiB pages the GEMMs
+    measured 2-14 % slower at 1-32 rows (the most at 1 row; int4 tiles at one row 10 %)."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     slots = _packed_weight_slots(linears)
     counts: dict[str, int] = {}
     for module in linears:
+        quantized = module.quant_weight is not None
         module.pack(slots.get(id(module)))
         if module.packing != "plain" and id(module.weight) not in shared and module.weight.device.type != "meta":
             module.release_plain_weight()
@@ -178,16 +190,24 @@ def pack_linear_weights(model: nn.Module) -> dict[str, int]:
                 # The plain weight was heap memory its packed copy does not reuse: hand it back
                 # now, or RSS peaks at both copies (about +170 MB for SmolLM2 in bf16).
                 return_freed_heap()
+        elif quantized and id(module) in slots:
+            return_freed_heap()  # the row layout just released, likewise
         counts[module.packing] = counts.get(module.packing, 0) + 1
     return counts
 
 
 def _packed_weight_slots(linears: list[Linear]) -> dict[int, torch.Tensor]:
     """id(Linear) -> its view of a shared huge-page buffer, for those not yet packed that will
-    take kvflow's layout. Every slot starts 64-byte aligned (packed sizes are whole 64-byte
-    rows), as the kernels' loads prefer."""
+    take kvflow's layout (one buffer per dtype) or quantized tiles (one uint8 buffer). Every
+    slot starts 64-byte aligned (packed sizes are whole 64-byte rows), as the kernels' loads
+    prefer."""
     plans: dict[torch.dtype, list[tuple[Linear, tuple[int, ...]]]] = {}
     for module in linears:
+        if module.quant_weight is not None:
+            nbytes = module.quant_tiles_bytes()
+            if nbytes is not None:
+                plans.setdefault(torch.uint8, []).append((module, (nbytes,)))
+            continue
         shape = module.kvflow_packed_shape() if module.weight.device.type != "meta" else None
         if shape is not None:
             plans.setdefault(module.weight.dtype, []).append((module, shape))

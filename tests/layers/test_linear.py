@@ -6,8 +6,9 @@ Guards:
   - a packed layer's output matches F.linear on the plain weight (bf16 within rounding, float32 to
     1e-5), for one row, many rows, 3-D input, with and without bias, and really runs the packed path;
   - KVFLOW_PACKED_LINEAR=0 keeps the plain weight; `pack_linear_weights` counts each packing;
-  - `pack_linear_weights` packs kvflow-layout weights into one buffer per dtype, on 2 MiB pages
-    where Linux has transparent huge pages, with outputs equal to packing each one alone.
+  - `pack_linear_weights` packs kvflow-layout weights into one buffer per dtype, and quantized
+    weights' tiles into one more, on 2 MiB pages where Linux has transparent huge pages, with
+    outputs equal to packing each one alone.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from kvflow.layers import cpu_kernels
 from kvflow.layers.linear import Linear, pack_linear_weights
+from kvflow.quantization import methods, tiles
 from tests.conftest import huge_kib_under, thp_mode
 
 
@@ -227,6 +229,30 @@ def test_pack_linear_weights_shares_one_huge_page_buffer(dtype):
     if thp_mode() in ("always", "madvise"):
         whole = torch.empty(0, dtype=dtype).set_(packed[0].untyped_storage())
         assert huge_kib_under(whole) >= 2 << 10, "the packed weights did not land on 2 MiB pages"
+
+
+def test_pack_linear_weights_puts_quantized_tiles_in_one_huge_page_buffer():
+    if not tiles.available():
+        pytest.skip("the quantized tiles need AVX512-BF16 or AVX2 + FMA")
+    torch.manual_seed(0)
+    layers = [Linear(576, 1536, bias=False) for _ in range(3)] + [Linear(1536, 576, bias=False)]  # ~2.4 MB of tiles
+    model = nn.ModuleList(layers).to(torch.bfloat16)
+    quantized = [methods.quantize_int4(m.weight.detach().float(), 32) for m in layers[:3]]
+    quantized.append(methods.quantize_int8(layers[3].weight.detach().float()))  # float32 scales beside
+    alone = [tiles.prepare(tiles.pack(qw)) for qw in quantized]  # each packed on its own
+    for m, qw in zip(layers, quantized):
+        m.set_quantized(qw)
+    assert pack_linear_weights(model) == {"quantized-tiles": 4}
+    qs = [m.quant_tiles.q for m in layers]
+    assert len({q.untyped_storage().data_ptr() for q in qs}) == 1, "not one shared buffer"
+    assert all(q.data_ptr() % 64 == 0 for q in qs)
+    x, wide = torch.randn(3, 576).to(torch.bfloat16), torch.randn(3, 1536).to(torch.bfloat16)
+    with torch.no_grad():
+        assert all(torch.equal(m(x), op(x)) for m, op in zip(layers[:3], alone[:3]))
+        assert torch.equal(layers[3](wide), alone[3](wide))
+    if thp_mode() in ("always", "madvise"):
+        whole = torch.empty(0, dtype=torch.uint8).set_(qs[0].untyped_storage())
+        assert huge_kib_under(whole) >= 2 << 10, "the tiles did not land on 2 MiB pages"
 
 
 def test_pack_into_a_slot_of_the_wrong_shape_is_refused(kernels):

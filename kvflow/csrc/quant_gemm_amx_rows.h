@@ -19,7 +19,7 @@
 // of 32 bytes, byte i = column 2p's input i (low nibble) | column 2p + 1's (high nibble); scales
 // and offsets as the pair layout's, [tiles][groups][16]. Layout 2, where every scale and offset is
 // a float16 value (GGUF's, and quantize_int4's): per column tile and group, the 16 scales and 16
-// offsets as float16, then the group's k tiles as in layout 1: a third fewer bytes at groups of
+// offsets as float16, then the group's k tiles as in layout 1: a sixth fewer bytes at groups of
 // 32, in one stream. The vector kernels cannot read either, so they are packed only where this
 // kernel will run (kvflow_quant_tiles_layout).
 #pragma once

@@ -25,7 +25,7 @@ namespace kvflow {
 // How the quants of a tile are ordered (kvflow_pack_quant_tiles): in k-pair steps as the bf16
 // GEMM's B tiles (every kernel), or, 4 bits only, as rows of AMX A tiles (quant_gemm_amx_rows.h),
 // with float32 scales and offsets beside them or, where both are float16 values, inside the
-// quant stream as float16 (kQuantAmxRowsHalf: a third fewer bytes at groups of 32, one stream).
+// quant stream as float16 (kQuantAmxRowsHalf: a sixth fewer bytes at groups of 32, one stream).
 constexpr int kQuantPairs = 0;
 constexpr int kQuantAmxRows = 1;
 constexpr int kQuantAmxRowsHalf = 2;

@@ -389,8 +389,9 @@ int kvflow_pack_quant_tiles(int bits, int layout, const uint8_t* q, const float*
 }
 
 // out_dtype 1: y bf16, bias bf16 (or null); 0: y float32, bias float32 (the LM head's logits).
-// Returns 0, -1 for an unknown layout or a kQuantAmxRows weight it cannot be, -2 without
-// AVX512-BF16 or AVX2 + FMA, -4 out of memory, -5 for kQuantAmxRows tiles while AMX is off.
+// Returns 0, -1 for an unknown layout or an AMX row-layout weight it cannot be, -2 without
+// AVX512-BF16 or AVX2 + FMA, -4 out of memory, -5 for AMX row-layout tiles (kQuantAmxRows,
+// kQuantAmxRowsHalf) while AMX is off.
 int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int bits,
                            int layout, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
                            int64_t n, const void* bias, void* y, int64_t y_stride) {

@@ -26,10 +26,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     """Asymmetric 4-bit per group over the group's own range: q in 0..15, w ~ scale * q + min
     (llama.cpp's Q4_1 scheme, a float zero point). Unlike an integer zero point whose range
     must hold 0, every one of the 16 levels lands inside the group's values; a group already on
-    such a grid (a Q4_1 block) comes back exactly. Scales and minimums are float16 values, as
-    Q4_1 stores them (a relative change under 2^-11, far inside a level's width): the AMX kernel
-    then reads them as float16 (tiles.AMX_ROWS_HALF). A weight whose scales float16 cannot hold
-    (under 2^-24 or over 65,504) keeps float32's."""
+    such a grid (a Q4_1 block, whose step and minimum are float16 values) comes back exactly.
+    Scales and minimums are rounded to float16 values, as Q4_1 stores them: a relative change
+    under 2^-11 (above 2^-14; below, float16's subnormals, an absolute one under 2^-25), far
+    inside a level's width; a constant group's value moves likewise. The AMX kernel then reads
+    them as float16 (tiles.AMX_ROWS_HALF). A weight with a scale float16 rounds to zero (a group
+    spanning under ~4e-7 that is not constant) or a value over 65,504 keeps float32's."""
     n, k = weight.shape
     w = weight.detach().float().view(n, k // group_size, group_size)
     low, high = w.amin(dim=-1), w.amax(dim=-1)

@@ -18,7 +18,7 @@ A operand, csrc/quant_gemm_amx_rows.h), where dequantizing is a lookup in a 16-e
 column and group: the same bits, at about 0.6x the arithmetic, which a decode step's one row
 otherwise pays in full. Where every scale and offset is a float16 value (a GGUF file's always,
 `methods.quantize_int4`'s by construction) they travel as float16 inside the quant stream
-(AMX_ROWS_HALF): a third fewer bytes for groups of 32, which a decode step reads once each.
+(AMX_ROWS_HALF): a sixth fewer bytes for groups of 32, which a decode step reads once each.
 quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
 for CPUs without AVX2.
 
@@ -97,8 +97,9 @@ def supports(weight: QuantizedWeight) -> bool:
 
 
 def float16_values(t: torch.Tensor | None) -> bool:
-    """Whether every element of `t` (None: zeros) is a float16 value, so float16 holds it exactly."""
-    return t is None or bool(torch.equal(t.float().half().float(), t.float()))
+    """Whether every element of `t` (None: zeros) is a finite float16 value, so float16 holds
+    it exactly (the packer's test, csrc/quant_gemm_bf16.cpp's float16_bits)."""
+    return t is None or bool(torch.isfinite(t).all() and torch.equal(t.float().half().float(), t.float()))
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,10 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None, out: torch.Ten
     lib = _require(lib)
     plan = _plan(weight, lib)
     n, k = weight.out_features, weight.in_features
-    if out is not None and (out.dtype != torch.uint8 or out.numel() != plan.nbytes or not out.is_contiguous()):
-        raise ValueError(f"quantized tiles: `out` must be {plan.nbytes} contiguous bytes, not {out.numel()} "
-                         f"of {out.dtype}")
+    if out is not None and (out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != plan.nbytes
+                            or not out.is_contiguous()):
+        raise ValueError(f"quantized tiles: `out` must be {plan.nbytes} contiguous bytes in one dimension, not "
+                         f"{tuple(out.shape)} of {out.dtype}")
     carved = 0
 
     def tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

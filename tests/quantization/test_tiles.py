@@ -275,6 +275,54 @@ def test_amx_half_layout_takes_exactly_the_float16_values(kernels):
         assert rc == -1
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_half_layout_packs_float16_headers_and_refuses_other_values(lib, group):
+    """The packer (plain C++, every machine): each group's block starts with its columns'
+    scales and offsets as float16 bits (zeros past N), then layout 1's k tiles; zero, negative
+    zero, the largest float16 and its subnormals are taken, any value float16 cannot hold is
+    refused rather than rounded."""
+    _, tile_lib = lib
+    gen = torch.Generator().manual_seed(group)
+    n, k = 40, 128  # three column tiles, the last one half empty
+    groups, tiles_per_group = k // group, group // 32
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, groups, generator=gen) * 0.01).half().float()
+    scales.view(-1)[:5] = torch.tensor([65504.0, 2.0**-14, 2.0**-24, 1023 * 2.0**-24, 0.0])
+    offsets = (-torch.rand(n, groups, generator=gen) * 0.1).half().float()
+    offsets.view(-1)[:2] = torch.tensor([-0.0, -65504.0])
+
+    def packed(layout: int, s: torch.Tensor, o: torch.Tensor) -> tuple[int, torch.Tensor]:
+        out = torch.empty(tile_lib.kvflow_quant_tiles_bytes(4, layout, group, n, k), dtype=torch.uint8)
+        side = [torch.empty(3, groups, 16) for _ in range(2)] if layout == tiles.AMX_ROWS else [None, None]
+        rc = tile_lib.kvflow_pack_quant_tiles(4, layout, q.data_ptr(), s.data_ptr(), o.data_ptr(), group, n, k,
+                                              out.data_ptr(), *(None if t is None else t.data_ptr() for t in side))
+        return rc, out
+
+    rc, half = packed(tiles.AMX_ROWS_HALF, scales, offsets)
+    assert rc == 0
+    rc, rows = packed(tiles.AMX_ROWS, scales, offsets)
+    assert rc == 0
+    block, tile_bytes = 64 + group * 8, groups * (64 + group * 8)
+    for t in range(3):
+        cols = range(16 * t, min(n, 16 * t + 16))
+        for g in range(groups):
+            head = half[t * tile_bytes + g * block:][:64].view(torch.int16)
+            want = torch.zeros(32, dtype=torch.int16)
+            want[: len(cols)] = scales[list(cols), g].half().view(torch.int16)
+            want[16: 16 + len(cols)] = offsets[list(cols), g].half().view(torch.int16)
+            assert torch.equal(head, want), (t, g)
+            for j in range(tiles_per_group):
+                kt = g * tiles_per_group + j
+                start = t * tile_bytes + g * block + 64 + j * 256
+                assert torch.equal(half[start: start + 256], rows[t * k * 8 + kt * 256:][:256]), (t, kt)
+    for bad in (65520.0, 1 + 2.0**-11, 1.5 * 2.0**-24, 2.0**-25, float("inf"), float("nan"), 1e-40):
+        for which in ("scale", "offset"):
+            s, o = scales.clone(), offsets.clone()
+            (s if which == "scale" else o)[3, 1] = bad
+            assert packed(tiles.AMX_ROWS_HALF, s, o)[0] == -1, (which, bad)
+            assert not tiles.float16_values(s if which == "scale" else o), (which, bad)
+
+
 def test_tiles_pack_into_a_given_buffer(lib):
     """`out` (the loader's shared huge-page buffer) holds the same tiles as a pack of their own,
     in every layout; a buffer of the wrong size is refused."""
@@ -293,6 +341,9 @@ def test_tiles_pack_into_a_given_buffer(lib):
         assert torch.equal(tiles.prepare(placed, lib=tile_lib)(x), tiles.prepare(own, lib=tile_lib)(x))
         with pytest.raises(ValueError, match="must be"):
             tiles.pack(qw, lib=tile_lib, out=out[:-1])
+        if size % 2 == 0:
+            with pytest.raises(ValueError, match="one dimension"):
+                tiles.pack(qw, lib=tile_lib, out=out.view(2, -1))
 
 
 def test_amx_fold_rounds_twice_where_products_are_inexact(kernels):

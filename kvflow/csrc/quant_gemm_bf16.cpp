@@ -349,10 +349,10 @@ int kvflow_pack_quant_tiles(int bits, int layout, const uint8_t* q, const float*
             for (int64_t kt = 0; kt < k / 32; ++kt) {
                 const int64_t g = kt * 32 / group;
                 uint8_t* at = dst + kt * 256;
-                if (half) {  // the group's block: scales, offsets, then its k tiles
+                if (half) {  // the group's block: scales, offsets (written at its first k tile), then its k tiles
                     uint8_t* block = dst + g * kvflow::half_rows_group_bytes(group);
                     at = block + 64 + (kt * 32 % group) / 32 * 256;
-                    for (int64_t lane = 0; lane < kTileCols; ++lane) {
+                    for (int64_t lane = 0; kt * 32 % group == 0 && lane < kTileCols; ++lane) {
                         const int64_t col = tile * kTileCols + lane;
                         const auto s = static_cast<uint16_t>(col < n ? float16_bits(scales[col * groups + g]) : 0);
                         const auto o = static_cast<uint16_t>(

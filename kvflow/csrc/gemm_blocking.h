@@ -32,7 +32,10 @@ inline void for_each_chunk(int64_t n, Chunk chunk) {
 // block(r, rows) for the row blocks of M rows against one chunk. Rows in equal blocks (18 rows:
 // 9 + 9, not 8 + 8 + 2): a short block does as many weight loads per k as a full one for fewer
 // FMAs. At decode sizes blocks of up to 12 rows measured 3-10 % faster than 8 (fewer passes
-// over the weight slice); at prefill sizes 8 measured 3-6 % faster than 12.
+// over the weight slice). `max_rows` 0 is float32's choice: 12 up to 64 rows and 8 beyond,
+// where 12 measured 3-6 % slower for float32 (CPU family 25). The bf16-activation kernels pass
+// kMaxBlockRows at every size: on CPU family 26 their 8-row blocks ran the int4 tiles at 128-2,048
+// rows at half the speed of 12-row ones (the bf16 GEMM within noise either way).
 template <typename Block>
 inline void for_each_row_block(int64_t m, Block block, int64_t max_rows = 0) {
     if (max_rows <= 0) max_rows = m <= 64 ? kMaxBlockRows : 8;  // else the caller's register block

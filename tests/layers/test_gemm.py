@@ -3,7 +3,7 @@
 Guards, for each dtype (the AVX-512 kernels where the CPU has AVX-512F, and AVX512-BF16 for bf16;
 the AVX2 + FMA blocks of csrc/gemm_avx2.h elsewhere):
   - values with and without bias over row counts that split into register blocks of every
-    size (up to 12 rows at decode sizes, 8 beyond 64 rows), ragged N (a half tile, an odd tile
+    size (up to 12 rows; float32 8 beyond 64 rows), ragged N (a half tile, an odd tile
     count) and two K;
   - the packed layout itself;
   - batch invariance: each row is bitwise the row computed alone, or in any sub-batch;
@@ -112,8 +112,9 @@ def test_pack_weight_layout(gemm, dtype):
 
 @DTYPES
 def test_gemm_is_batch_invariant(gemm, dtype):
-    """Each row of a 70-row product (blocks of 8 and 7 rows) is bitwise the row computed alone, and
-    any sub-batch (17 rows: blocks of 9 and 8; 12 rows: one block) gives the same rows."""
+    """Each row of a 70-row product (bf16: blocks of 12 and 11 rows; float32: 8 and 7) is bitwise
+    the row computed alone, and any sub-batch (17 rows: blocks of 9 and 8; 12 rows: one block)
+    gives the same rows."""
     torch.manual_seed(0)
     m, n, k = 70, 200, 576
     x, w, bias = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / math.sqrt(k), randn(n, dtype=dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -28,6 +28,9 @@ class ThroughputResult:
     computed_tokens: int = 0
     mean_ttft_s: float = 0.0
     spec_decode: str | None = None  # what speculative decoding did, when it was on
+    # Each step's [tokens, logits_rows, attention_pairs, kv_tokens_read] (engine/step_shape.py), in
+    # order: what `bench roofline` needs for the run's attainable floor. Empty for a baseline engine.
+    steps: list[list[int]] = field(default_factory=list)
 
     def summary(self) -> str:
         spec = f"\n  {self.spec_decode}" if self.spec_decode else ""

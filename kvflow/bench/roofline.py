@@ -10,8 +10,15 @@ must stream. Against the ceilings measured by `hardware`:
             i.e. against whichever ceiling binds at that batch size
   a whole throughput run   (prompt x prompt FLOPs + output x output FLOPs) / wall / ceiling
 
-Attention FLOPs and KV cache reads are left out (small at these context lengths), so the
-fractions are slight overestimates of the work done, i.e. conservative about the ceiling.
+Attention FLOPs and KV cache reads are left out of these (small at these context lengths), so
+the fractions are slight overestimates of the work done, i.e. conservative about the ceiling.
+
+A throughput result that carries its steps' shapes (engine/step_shape.py) also gets the run's
+floor: each step at least max(its FLOPs, attention's included, at the matmul ceiling; its bytes,
+every weight once plus the K/V its attention reads, at the memory bandwidth), summed over the
+steps. That says how much of the compute ceiling the run's own schedule could reach at best
+(a tail of small decode steps is memory-bound however fast the kernels), and how close to
+that floor the run came.
 """
 
 from __future__ import annotations
@@ -33,6 +40,19 @@ class ModelCost:
     flops_per_prompt_token: float
     flops_per_output_token: float
     weight_bytes_per_decode_step: int
+    attention_flops_per_pair: float = 0.0  # q.k and p.v of one (query, key) pair, all layers
+    kv_bytes_per_token: float = 0.0  # one cached token's K and V, all layers
+
+
+@dataclass
+class RunFloor:
+    """A run's attainable time from its steps' shapes (the module docstring)."""
+
+    floor_s: float
+    steps: int
+    memory_bound_steps: int
+    memory_bound_s: float  # of floor_s, in steps that bandwidth binds
+    best_compute_fraction: float  # the matmul FLOPs over floor_s, against the ceiling
 
 
 @dataclass
@@ -48,6 +68,8 @@ class Fraction:
     roofline_tokens_per_s: float | None = None  # the attainable speed
     roofline_fraction: float | None = None
     bound: str = "compute"
+    floor: RunFloor | None = None  # a whole run with its steps' shapes
+    floor_fraction: float | None = None  # floor.floor_s / wall: how close the run came to its floor
 
 
 def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
@@ -59,7 +81,27 @@ def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
     head = h * cfg.vocab_size
     elem = torch.tensor([], dtype=dtype).element_size()
     name = str(dtype).removeprefix("torch.")
-    return ModelCost(name, body, head, 2.0 * body, 2.0 * (body + head), (body + head) * elem)
+    attention = 4.0 * cfg.num_hidden_layers * q  # 2 FLOPs for q.k and 2 for p.v per head dimension
+    kv_bytes = 2.0 * cfg.num_hidden_layers * kv * elem
+    return ModelCost(name, body, head, 2.0 * body, 2.0 * (body + head), (body + head) * elem, attention, kv_bytes)
+
+
+def run_floor(cost: ModelCost, steps: list[list[int]], gflops_ceiling: float, read_gbps: float) -> RunFloor:
+    """Sum over steps ([tokens, logits_rows, attention_pairs, kv_tokens_read]) of each one's roofline time."""
+    floor = memory_s = 0.0
+    memory_steps = 0
+    matmul_flops = 0.0
+    for tokens, logits_rows, pairs, kv_tokens in steps:
+        matmul = tokens * cost.flops_per_prompt_token + logits_rows * (cost.flops_per_output_token - cost.flops_per_prompt_token)
+        matmul_flops += matmul
+        compute_s = (matmul + pairs * cost.attention_flops_per_pair) / (gflops_ceiling * 1e9)
+        bytes_s = (cost.weight_bytes_per_decode_step + kv_tokens * cost.kv_bytes_per_token) / (read_gbps * 1e9)
+        floor += max(compute_s, bytes_s)
+        if bytes_s > compute_s:
+            memory_steps += 1
+            memory_s += bytes_s
+    best = matmul_flops / floor / (gflops_ceiling * 1e9) if floor > 0 else 0.0
+    return RunFloor(floor, len(steps), memory_steps, memory_s, best)
 
 
 def prefill_fraction(cost: ModelCost, prompt_tokens_per_s: float, gflops_ceiling: float) -> Fraction:
@@ -84,14 +126,21 @@ def decode_fraction(cost: ModelCost, tokens_per_s: float, gflops_ceiling: float,
 
 
 def run_fraction(cost: ModelCost, prompt_tokens: int, output_tokens: int, wall_s: float,
-                 gflops_ceiling: float, label: str = "kvflow") -> Fraction:
-    """A whole mixed run (bench throughput): all its matmul work over its wall time."""
+                 gflops_ceiling: float, label: str = "kvflow", steps: list[list[int]] | None = None,
+                 read_gbps: float | None = None) -> Fraction:
+    """A whole mixed run (bench throughput): all its matmul work over its wall time; with its
+    steps' shapes and the bandwidth, also its floor (run_floor)."""
     flops = prompt_tokens * cost.flops_per_prompt_token + output_tokens * cost.flops_per_output_token
     achieved = flops / wall_s / 1e9
     floor_s = flops / (gflops_ceiling * 1e9)
     total_tps = (prompt_tokens + output_tokens) / wall_s
-    return Fraction(f"whole run ({label})", total_tps, achieved, achieved / gflops_ceiling,
-                    roofline_tokens_per_s=(prompt_tokens + output_tokens) / floor_s, roofline_fraction=floor_s / wall_s)
+    fraction = Fraction(f"whole run ({label})", total_tps, achieved, achieved / gflops_ceiling,
+                        roofline_tokens_per_s=(prompt_tokens + output_tokens) / floor_s,
+                        roofline_fraction=floor_s / wall_s)
+    if steps and read_gbps:
+        fraction.floor = run_floor(cost, steps, gflops_ceiling, read_gbps)
+        fraction.floor_fraction = fraction.floor.floor_s / wall_s
+    return fraction
 
 
 def speeds_from_result(path: str) -> list[dict]:
@@ -107,14 +156,16 @@ def speeds_from_result(path: str) -> list[dict]:
     if kind == "throughput":
         runs = [r for r in (res, data.get("baseline")) if r]
         return [{"kind": kind, "dtype": r.get("dtype"), "label": r.get("engine", "kvflow"),
-                 "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"], "wall_s": r["wall_s"]}
+                 "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"], "wall_s": r["wall_s"],
+                 "steps": r.get("steps") or []}
                 for r in runs]
     raise ValueError(f"{path}: not a bench throughput or bench latency result (kind {kind!r})")
 
 
 def _exceeded(f: Fraction) -> dict[str, float]:
     """The ceilings this speed is above: {name: achieved / ceiling}."""
-    shares = {"compute": f.compute_fraction, "memory bandwidth": f.bandwidth_fraction, "roofline": f.roofline_fraction}
+    shares = {"compute": f.compute_fraction, "memory bandwidth": f.bandwidth_fraction, "roofline": f.roofline_fraction,
+              "step floor": f.floor_fraction}
     return {name: x for name, x in shares.items() if x is not None and x > 1.0}
 
 
@@ -156,10 +207,23 @@ def describe(cost: ModelCost, ceilings, fractions: list[Fraction]) -> str:
             line += (f"; roofline ({f.bound}-bound) {f.roofline_tokens_per_s:.0f} tok/s -> "
                      f"{_share(f.roofline_fraction)} of it")
         lines.append(line)
+        if f.floor is not None and f.floor_fraction is not None:
+            fl = f.floor
+            lines.append(
+                f"  step floor: {fl.floor_s:.2f} s over {fl.steps} steps ({fl.memory_bound_steps} memory-bound, "
+                f"{fl.memory_bound_s:.2f} s of it): this schedule reaches at best {_share(fl.best_compute_fraction)} "
+                f"of the compute ceiling; the run reached {_share(f.floor_fraction)} of the speed that floor allows")
     lines.extend(ceiling_warnings(fractions))
     if not fractions:
         lines.append("(give --result or --prefill-tokens-per-s / --decode-tokens-per-s for the achieved fractions)")
     return "\n".join(lines)
+
+
+def _unquantized_steps(speed: dict) -> list[list[int]]:
+    """A result's steps for its floor, which counts weights and K/V in the compute dtype: none
+    for quantized weights or KV (fewer bytes than it counts, so its floor would be too high)."""
+    dtype = speed.get("dtype") or ""
+    return [] if ("weights" in dtype or "KV" in dtype) else speed.get("steps") or []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,7 +259,8 @@ def run(args: argparse.Namespace) -> list[Fraction]:
     fractions: list[Fraction] = []
     for s in speeds:
         if s["kind"] == "throughput":
-            fractions.append(run_fraction(cost, s["prompt_tokens"], s["output_tokens"], s["wall_s"], peak, s["label"]))
+            fractions.append(run_fraction(cost, s["prompt_tokens"], s["output_tokens"], s["wall_s"], peak, s["label"],
+                                          _unquantized_steps(s), ceilings.read_gbps))
         else:
             fractions.append(prefill_fraction(cost, s["prefill_tokens_per_s"], peak))
             if s["decode_tokens_per_s"]:

@@ -51,6 +51,7 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
 
         bar = tqdm(total=sum(r.output_len for r in requests), desc="output tokens", dynamic_ncols=True)
     peak_kv, ttfts = 0.0, []
+    engine.step_shapes = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
         peak_kv = max(peak_kv, engine.kv_cache_manager.usage)
@@ -60,6 +61,7 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
         if bar is not None:
             bar.update(len(outputs))
     wall = time.perf_counter() - start
+    steps, engine.step_shapes = [shape.as_list() for shape in engine.step_shapes], None
     if bar is not None:
         bar.close()
     stats = engine.get_stats()
@@ -81,6 +83,7 @@ def run_kvflow(engine, requests: list[BenchRequest], use_tqdm: bool = False, lab
         computed_tokens=stats.computed_tokens - stats0.computed_tokens,
         mean_ttft_s=sum(ttfts) / max(len(ttfts), 1),
         spec_decode=stats.spec_decode.since(stats0.spec_decode).describe() if stats.spec_decode else None,
+        steps=steps,
     )
 
 

@@ -35,6 +35,7 @@ from kvflow.engine.parallel_sampling import SampleGroups, prompt_tokens_computed
 from kvflow.engine.request_state import EngineStats, RequestState, make_output
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
+from kvflow.engine.step_shape import StepShape, step_shape
 from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.outputs import RequestOutput
@@ -114,6 +115,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # every token that went through the model (prefix hits excluded)
         self.prefill_tokens_total = 0  # prompt positions among them
+        # Set to a list to have every step's shape appended (bench throughput's roofline floor).
+        self.step_shapes: list[StepShape] | None = None
         logger.info(
             "kvflow: loaded %s (%s) in %.1f s\n%s\n%s",
             path, self.model_config.architecture, time.perf_counter() - start, self.plan.describe(),
@@ -241,6 +244,8 @@ class LLMEngine:
     def _apply(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         """A batch's tokens into its requests: append, stop checks, scheduler bookkeeping, outputs."""
         self.prefill_tokens_total += prompt_tokens_computed(sched)  # before num_computed_tokens moves on
+        if self.step_shapes is not None:
+            self.step_shapes.append(step_shape(sched))
         for entries in result.prompt_logprobs:  # before the outputs, which carry them
             entries.append_to_sequence()
         sampled = result.sampled

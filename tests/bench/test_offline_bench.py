@@ -55,6 +55,9 @@ def test_throughput_alone(tiny, tmp_path, capsys):
     assert res["total_tokens_per_s"] == pytest.approx((res["prompt_tokens"] + res["output_tokens"]) / res["wall_s"])
     # The warm-up draw differs, so nothing was served from the prefix cache: every prompt token was computed.
     assert res["computed_tokens"] == res["prompt_tokens"] + res["output_tokens"] - res["num_requests"]
+    # Each step's shape, for bench roofline's floor: the timed run's steps only, not the warm-up's.
+    assert sum(step[0] for step in res["steps"]) == res["computed_tokens"]
+    assert sum(step[1] for step in res["steps"]) == res["output_tokens"]
     printed = capsys.readouterr().out
     assert "kvflow (float32)" in printed
     # The machine beside the figure: CPU family and which kernels ran (bench/machine.py).

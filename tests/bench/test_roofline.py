@@ -47,6 +47,26 @@ def test_fractions_by_hand():
     assert whole.roofline_fraction == pytest.approx(0.1)
 
 
+def test_run_floor_by_hand():
+    """One compute-bound prefill step and two memory-bound decode steps, each against its own ceiling."""
+    cost = rl.ModelCost("bfloat16", 50, 50, flops_per_prompt_token=1e8, flops_per_output_token=2e8,
+                        weight_bytes_per_decode_step=10**8, attention_flops_per_pair=1e4, kv_bytes_per_token=1e4)
+    # [tokens, logits_rows, attention_pairs, kv_tokens_read]
+    prefill = [1000, 1, 500_500, 1000]  # 1e11 + 1e8 matmul + 5.005e9 attention FLOPs: 0.5255 s at 200 GFLOP/s
+    decode = [4, 4, 4000, 4000]  # 4e8 + 4e8 + 4e7 FLOPs: 4.2 ms; 1e8 + 4e7 bytes at 50 GB/s: 2.8 ms -> compute
+    small = [1, 1, 3000, 3000]  # 2.3e8 FLOPs: 1.15 ms; 1.3e8 bytes: 2.6 ms -> memory
+    floor = rl.run_floor(cost, [prefill, decode, small], gflops_ceiling=200, read_gbps=50)
+    assert floor.steps == 3 and floor.memory_bound_steps == 1
+    assert floor.memory_bound_s == pytest.approx(1.3e8 / 50e9)
+    assert floor.floor_s == pytest.approx((1e11 + 1e8 + 5.005e9) / 200e9 + 8.4e8 / 200e9 + 1.3e8 / 50e9)
+    matmul = 1e11 + 1e8 + 8e8 + 2e8
+    assert floor.best_compute_fraction == pytest.approx(matmul / floor.floor_s / 200e9)
+    whole = rl.run_fraction(cost, prompt_tokens=1000, output_tokens=6, wall_s=1.0, gflops_ceiling=200,
+                            steps=[prefill, decode, small], read_gbps=50)
+    assert whole.floor == floor and whole.floor_fraction == pytest.approx(floor.floor_s)
+    assert rl.run_fraction(cost, 1000, 6, 1.0, 200).floor is None  # no steps, no floor
+
+
 def test_ceiling_measurements_are_sane():
     assert median_seconds(lambda: None, reps=3) >= 0
     assert matmul_gflops(64, torch.float32, reps=2) > 0
@@ -59,7 +79,9 @@ def test_roofline_command(tiny_models, tmp_path, capsys):
     latency.write_text(json.dumps({"kind": "latency", "result": {"dtype": "float32", "input_len": 128,
                                                                   "ttft": {"p50": 0.01}, "itl": {"p50": 0.002}}}))
     throughput = tmp_path / "tp.json"
-    runs = {"result": {"engine": "kvflow", "dtype": "float32", "prompt_tokens": 90, "output_tokens": 30, "wall_s": 2.0},
+    steps = [[90, 3, 1400, 90]] + [[3, 3, 300, 100]] * 9
+    runs = {"result": {"engine": "kvflow", "dtype": "float32", "prompt_tokens": 90, "output_tokens": 30, "wall_s": 2.0,
+                       "steps": steps},
             "baseline": {"engine": "hf-transformers", "dtype": "float32", "prompt_tokens": 90, "output_tokens": 30,
                          "wall_s": 4.0}}
     throughput.write_text(json.dumps({"kind": "throughput", **runs}))
@@ -81,6 +103,17 @@ def test_roofline_command(tiny_models, tmp_path, capsys):
     assert kv["tokens_per_s"] == pytest.approx(60.0)
     assert kv["compute_fraction"] == pytest.approx(2 * hf["compute_fraction"])  # same work in half the time
     assert report["model_cost"]["dtype"] == "float32"
+    # kvflow's run carried its steps: a floor, printed; the baseline's did not.
+    assert kv["floor"]["steps"] == 10 and 0 < kv["floor_fraction"] and hf["floor"] is None
+    assert "step floor:" in printed and "of the compute ceiling" in printed
+
+
+def test_no_floor_for_quantized_weights_or_kv():
+    """The floor counts bytes in the compute dtype: a quantized run reads fewer, so it gets none."""
+    steps = [[4, 4, 40, 40]]
+    for dtype in ("bfloat16, weights int8", "bfloat16, KV int8"):
+        assert rl._unquantized_steps({"dtype": dtype, "steps": steps}) == []
+    assert rl._unquantized_steps({"dtype": "bfloat16", "steps": steps}) == steps
 
 
 def test_a_run_above_the_measured_ceiling_warns_instead_of_a_share_above_100_percent():

@@ -91,8 +91,9 @@ def run_floor(cost: ModelCost, steps: list[list[int]], gflops_ceiling: float, re
     floor = memory_s = 0.0
     memory_steps = 0
     matmul_flops = 0.0
+    lm_head_flops = cost.flops_per_output_token - cost.flops_per_prompt_token  # per row through the LM head
     for tokens, logits_rows, pairs, kv_tokens in steps:
-        matmul = tokens * cost.flops_per_prompt_token + logits_rows * (cost.flops_per_output_token - cost.flops_per_prompt_token)
+        matmul = tokens * cost.flops_per_prompt_token + logits_rows * lm_head_flops
         matmul_flops += matmul
         compute_s = (matmul + pairs * cost.attention_flops_per_pair) / (gflops_ceiling * 1e9)
         bytes_s = (cost.weight_bytes_per_decode_step + kv_tokens * cost.kv_bytes_per_token) / (read_gbps * 1e9)

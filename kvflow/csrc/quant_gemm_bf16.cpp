@@ -86,7 +86,11 @@ using kvflow::kPrefetchBytes;
 using kvflow::store_tile;
 using kvflow::Unpack;
 
-constexpr int64_t kRegisterRows = 8;  // rows per block that unpack the quants in registers
+// Rows per block that unpack the quants in registers: as many as the bf16 GEMM's blocks take, so
+// that 9-24 rows unpack each quant once or twice, not two or three times (in cache, two threads,
+// 1,536 x 576 on CPU family 26, 8 -> 12: int8 at 9-12 rows 52-97 -> 30-37 us, at 17-24 rows 70-111
+// -> 49-67 us; int4 0-15 % faster).
+constexpr int64_t kRegisterRows = kvflow::kMaxBlockRows;
 // Up to this many rows, blocks of kRegisterRows unpack the chunk's quants again (from L1) rather
 // than one unpacked tile being stored and read back: in cache, single thread, 512 x 576, int4
 // M=16 29.8 -> 25.9 us, M=32 55.5 -> 50.1 us; from 64 rows on the two are even.

@@ -70,7 +70,7 @@ int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const 
                 M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store, next);
             else
                 M::template rows<1>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store);
-        }, std::is_same_v<Dt, kvflow::F32> ? 0 : kvflow::kMaxBlockRows);
+        }, 0, M::kPrefillRows);
     });
     return 0;
 }

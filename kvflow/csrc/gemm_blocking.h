@@ -32,13 +32,11 @@ inline void for_each_chunk(int64_t n, Chunk chunk) {
 // block(r, rows) for the row blocks of M rows against one chunk. Rows in equal blocks (18 rows:
 // 9 + 9, not 8 + 8 + 2): a short block does as many weight loads per k as a full one for fewer
 // FMAs. At decode sizes blocks of up to 12 rows measured 3-10 % faster than 8 (fewer passes
-// over the weight slice). `max_rows` 0 is float32's choice: 12 up to 64 rows and 8 beyond,
-// where 12 measured 3-6 % slower for float32 (CPU family 25). The bf16-activation kernels pass
-// kMaxBlockRows at every size: on CPU family 26 their 8-row blocks ran the int4 tiles at 128-2,048
-// rows at half the speed of 12-row ones (the bf16 GEMM within noise either way).
+// over the weight slice). Past 64 rows a block takes `prefill_rows`, the caller's register
+// block at prefill sizes (Micro<Dt>::kPrefillRows); `max_rows` > 0 overrides both.
 template <typename Block>
-inline void for_each_row_block(int64_t m, Block block, int64_t max_rows = 0) {
-    if (max_rows <= 0) max_rows = m <= 64 ? kMaxBlockRows : 8;  // else the caller's register block
+inline void for_each_row_block(int64_t m, Block block, int64_t max_rows = 0, int64_t prefill_rows = 8) {
+    if (max_rows <= 0) max_rows = m <= 64 ? kMaxBlockRows : prefill_rows;
     const int64_t blocks = (m + max_rows - 1) / max_rows;
     for (int64_t b = 0, r = 0; b < blocks; ++b) {
         const int64_t rows = m / blocks + (b < m % blocks ? 1 : 0);

@@ -244,7 +244,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
             int64_t block_index = 0;
             kvflow::for_each_row_block(m, [&](int64_t r, int64_t block_rows) {
                 row_block(block_index++ == 1 ? with_next : plain, r, block_rows);
-            }, kvflow::kMaxBlockRows);
+            }, 0, kvflow::Micro<kvflow::BF16>::kPrefillRows);
         }
         std::free(tiles);
     }

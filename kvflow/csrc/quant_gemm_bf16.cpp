@@ -38,12 +38,14 @@
 // That is layout 0 (kQuantPairs). On AMX, 4-bit weights with such groups are packed in layout 1
 // (kQuantAmxRows, quant_gemm_amx_rows.h) or, scales and offsets being float16 values, in layout 2
 // (kQuantAmxRowsHalf, the same with them as float16 in the quant stream), which only that kernel
-// reads.
+// reads. Layout 3 (kQuantPairsHalf) is layout 0 with float16 scales and offsets, for this kernel
+// on CPUs without AMX.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 
 #include "gemm_blocking.h"
 #include "quant_gemm_amx_folded.h"
@@ -73,6 +75,9 @@ constexpr int64_t kRegisterRows = kvflow::kMaxBlockRows;
 // than one unpacked tile being stored and read back: in cache, single thread, 512 x 576, int4
 // M=16 29.8 -> 25.9 us, M=32 55.5 -> 50.1 us; from 64 rows on the two are even.
 constexpr int64_t kUnpackedRows = 32;
+// Up to this many rows, kQuantPairsHalf's blocks widen their float16 factors themselves
+// (quant_gemm_bf16 below says why).
+constexpr int64_t kHalfInBlockRows = 8;
 
 // Where a block's operands come from: the packed quants (decode rows) ...
 template <int Bits>
@@ -106,14 +111,25 @@ struct StoredTile {
     }
 };
 
+// count float16 values (a multiple of 16) widened to float32, exactly; with `next`, the count
+// after them asked for into L2 meanwhile (the next chunk's).
+inline void widen_half(const uint16_t* h, int64_t count, float* out, bool next) {
+    for (int64_t i = 0; i < count; i += 16) {
+        if (next && i % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(h + count + i), _MM_HINT_T1);
+        _mm512_store_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+    }
+}
+
 // MT rows x NT tiles. `out` accumulates across groups in memory (L1), so that the group's
 // MT x NT vdpbf16ps accumulators keep the registers (12 x 2 at prefill sizes).
-template <int MT, int NT, bool Offsets, typename Source, typename Store>
+template <int MT, int NT, bool Offsets, bool Half, typename Source, typename Store>
 inline void grouped_block(const uint16_t* x, int64_t x_stride, const float* xsums, const Weight& w, int64_t tile0,
                           const Source& src, Store& store) {
     const int64_t groups = w.groups(), blocks_per_group = w.group / 4;
-    const float* s = w.scales + tile0 * groups * 16;
+    const float* s = w.scales + tile0 * groups * 16;  // (not Half)
     const float* o = Offsets ? w.offsets + tile0 * groups * 16 : nullptr;
+    const uint16_t* s_half = Weight::half(w.scales) + tile0 * groups * 16;  // (Half)
+    const uint16_t* o_half = Offsets ? Weight::half(w.offsets) + tile0 * groups * 16 : nullptr;
     alignas(64) float out[MT][NT][16] = {};
     for (int64_t g = 0; g < groups; ++g) {
         __m512 acc[MT][NT];
@@ -138,13 +154,26 @@ inline void grouped_block(const uint16_t* x, int64_t x_stride, const float* xsum
         }
         for (int j = 0; j < NT; ++j) {
             // Scales and offsets are two more streams (4-bit groups of 32: half the quants'
-            // bytes); left to the hardware they stalled each flush (single thread, 960 x 576 at
-            // one row: 24.9 -> 15.8 us with the hint, 3072 x 576: 85.9 -> 50.5 us).
-            _mm_prefetch(reinterpret_cast<const char*>(s + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
-            if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(o + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
-            const __m512 sj = _mm512_loadu_ps(s + (j * groups + g) * 16);
-            const __m512 oj = Offsets ? kvflow::integer_offset(w.bits, sj, _mm512_loadu_ps(o + (j * groups + g) * 16))
-                                      : _mm512_setzero_ps();
+            // bytes as float32, a quarter as float16); left to the hardware they stalled each
+            // flush (single thread, 960 x 576 at one row: 24.9 -> 15.8 us with the hint, 3072 x
+            // 576: 85.9 -> 50.5 us). The hints run 2,048 elements ahead, as far in time whichever
+            // the width; float16 widens to float32 exactly, so both layouts give the same bits.
+            __m512 sj, oj = _mm512_setzero_ps();
+            if constexpr (Half) {
+                const uint16_t* sh = s_half + (j * groups + g) * 16;
+                const uint16_t* oh = Offsets ? o_half + (j * groups + g) * 16 : nullptr;
+                _mm_prefetch(reinterpret_cast<const char*>(sh + 2048), _MM_HINT_T1);
+                if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(oh + 2048), _MM_HINT_T1);
+                sj = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh)));
+                if constexpr (Offsets)
+                    oj = kvflow::integer_offset(
+                        w.bits, sj, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(oh))));
+            } else {
+                _mm_prefetch(reinterpret_cast<const char*>(s + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
+                if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(o + (j * groups + g) * 16 + 2048), _MM_HINT_T1);
+                sj = _mm512_loadu_ps(s + (j * groups + g) * 16);
+                if constexpr (Offsets) oj = kvflow::integer_offset(w.bits, sj, _mm512_loadu_ps(o + (j * groups + g) * 16));
+            }
             for (int m = 0; m < MT; ++m) {
                 __m512 v = _mm512_fmadd_ps(acc[m][j], sj, _mm512_load_ps(out[m][j]));
                 if constexpr (Offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(xsums[m * groups + g]), oj, v);
@@ -156,16 +185,21 @@ inline void grouped_block(const uint16_t* x, int64_t x_stride, const float* xsum
         for (int j = 0; j < NT; ++j) store(m, j, _mm512_load_ps(out[m][j]));
 }
 
-template <int NT, bool Offsets, typename Source, typename Store>
+template <int NT, bool Offsets, bool Half, typename Source, typename Store>
 inline void rows(int64_t rows, const uint16_t* x, int64_t x_stride, const float* xsums, const Weight& w, int64_t tile0,
                  const Source& src, Store& store) {
     kvflow::with_block_rows(rows, [&](auto mt) {
-        grouped_block<decltype(mt)::value, NT, Offsets>(x, x_stride, xsums, w, tile0, src, store);
+        grouped_block<decltype(mt)::value, NT, Offsets, Half>(x, x_stride, xsums, w, tile0, src, store);
     });
 }
 
 // Out: bf16 (bias bf16) or float32 (bias float32): StoreRow<BF16> / StoreRow<F32>.
-template <typename Out, int Bits, bool Offsets>
+// Half (kQuantPairsHalf): up to kHalfInBlockRows rows the blocks widen the float16 scales and
+// offsets as they read them (the 120 int4 layers at one row 2.7 -> 2.1 ms: a sixth fewer bytes
+// at groups of 32). Past that the registers run short (12-24 rows ran 1.3-1.4x slower so), and
+// each thread widens a chunk's factors into float32 once, for all its row blocks, which then run
+// the float32 layout's code itself. The same values either way: the same bits.
+template <typename Out, int Bits, bool Offsets, bool Half>
 int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight& w, int64_t n,
                     const typename Out::T* bias, typename Out::T* y, int64_t y_stride) {
     const int64_t groups = w.groups(), tile_stride = w.k * kTileCols, bytes = quant_tile_bytes(Bits, w.k);
@@ -188,19 +222,51 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
 #pragma omp atomic write
             failed = 1;
         }
+        // One chunk's scales, then its offsets, each followed by the 2,048 floats that the
+        // blocks' prefetch hints run ahead, so that those land in this buffer, not on pages
+        // elsewhere (unmapped ones cost a page walk each).
+        const int64_t chunk_factors = kNT * groups * kTileCols + 2048;
+        const bool widen = Half && m > kHalfInBlockRows;
+        float* widened = widen ? static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(2 * chunk_factors) * 4))
+                               : nullptr;
+        if (widen && widened == nullptr) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        Weight chunk_w = w;  // widen: the chunk's factors in `widened`, its first tile as tile 0
         const int64_t chunks = (n + kTileCols * kNT - 1) / (kTileCols * kNT);
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t n0 = c * kTileCols * kNT, tile0 = n0 / kTileCols;
             const bool full = (n - n0 + kTileCols - 1) / kTileCols >= kNT;
+            if (widen) {
+                if (widened == nullptr) continue;  // out of memory: `failed` is set
+                const int64_t count = (full ? kNT : 1) * groups * kTileCols, first = tile0 * groups * kTileCols;
+                const bool next = n0 + 2 * kTileCols * kNT <= n;  // this thread's next chunk, as static scheduling hands them
+                widen_half(Weight::half(w.scales) + first, count, widened, next);
+                if constexpr (Offsets) widen_half(Weight::half(w.offsets) + first, count, widened + chunk_factors, next);
+                chunk_w.scales = widened;
+                chunk_w.offsets = Offsets ? widened + chunk_factors : nullptr;
+            }
+            const Weight& cw = widen ? chunk_w : w;
+            const int64_t factors_tile0 = widen ? 0 : tile0;
             // Rows r .. r + block_rows of this chunk, their operands from `src`.
             auto row_block = [&](const auto& src, int64_t r, int64_t block_rows) {
                 kvflow::StoreRow<Out> store{y + r * y_stride, y_stride, n0, n, bias};
                 const float* sums = Offsets ? xsums.get() + r * groups : nullptr;
+                if constexpr (Half && std::is_same_v<std::decay_t<decltype(src)>, PackedQuants<Bits>>) {
+                    if (!widen) {
+                        if (full)
+                            rows<kNT, Offsets, true>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+                        else
+                            rows<1, Offsets, true>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+                        return;
+                    }
+                }
                 if (full)
-                    rows<kNT, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+                    rows<kNT, Offsets, false>(block_rows, x + r * x_stride, x_stride, sums, cw, factors_tile0, src, store);
                 else
-                    rows<1, Offsets>(block_rows, x + r * x_stride, x_stride, sums, w, tile0, src, store);
+                    rows<1, Offsets, false>(block_rows, x + r * x_stride, x_stride, sums, cw, factors_tile0, src, store);
             };
             if (m <= kUnpackedRows) {  // row blocks of up to kRegisterRows, each unpacking the quants again
                 const PackedQuants<Bits> src{w.q + tile0 * bytes, bytes};
@@ -225,6 +291,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
             }, 0, kvflow::Micro<kvflow::BF16>::kPrefillRows);
         }
         std::free(tiles);
+        std::free(widened);
     }
     return failed ? -4 : 0;
 }
@@ -246,6 +313,16 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
 #endif
         return -5;  // packed while AMX ran the GEMMs; it does not now
     }
+    if (w.layout == kvflow::kQuantPairsHalf) {  // packed only on AVX512-BF16 without AMX (kvflow_quant_tiles_layout)
+#if defined(KVFLOW_AVX512BF16)
+        if (w.bits == 4 && w.offsets == nullptr) return -1;
+        if (w.bits == 4) return quant_gemm_bf16<Out, 4, true, true>(x, m, x_stride, w, n, bias, y, y_stride);
+        return w.offsets ? quant_gemm_bf16<Out, 8, true, true>(x, m, x_stride, w, n, bias, y, y_stride)
+                         : quant_gemm_bf16<Out, 8, false, true>(x, m, x_stride, w, n, bias, y, y_stride);
+#else
+        return -1;
+#endif
+    }
     if (w.layout != kvflow::kQuantPairs) return -1;
     auto run = [&](auto bits, auto offsets) {
         constexpr int Bits = decltype(bits)::value;
@@ -257,7 +334,7 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
                        : kvflow::quant_gemm_amx<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
 #endif
 #if defined(KVFLOW_AVX512BF16)
-        return quant_gemm_bf16<Out, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
+        return quant_gemm_bf16<Out, Bits, Offsets, false>(x, m, x_stride, w, n, bias, y, y_stride);
 #else
         return kvflow::quant_gemm_avx2<typename Out::T, Bits, Offsets>(x, m, x_stride, w, n, bias, y, y_stride);
 #endif

@@ -47,12 +47,19 @@ int64_t kvflow_quant_tiles_bytes(int bits, int layout, int64_t group, int64_t n,
 
 // The layout to pack a weight in for the kernels as they are now: for 4-bit weights whose groups
 // are under kBlockedGroupTiles whole k tiles while AMX runs the GEMMs, kQuantAmxRowsHalf when
-// `half_scales` (every scale and offset is a float16 value), else kQuantAmxRows; else kQuantPairs.
+// `half_scales` (every scale and offset is a float16 value), else kQuantAmxRows; else, where
+// the CPU has AMX at all, kQuantPairs (the AMX kernels read float32 scales, and a weight packed
+// with AMX switched off still runs on it once it is on); else, on AVX512-BF16, kQuantPairsHalf
+// when `half_scales`; else kQuantPairs (the AVX2 kernel's only layout).
 int kvflow_quant_tiles_layout(int bits, int64_t group, int64_t k, int half_scales) {
 #if defined(KVFLOW_AMX)
     if (kvflow::amx_enabled() && bits == 4 && group > 0 && group % 32 == 0 && k % group == 0 &&
         group / 32 < kvflow::kBlockedGroupTiles)
         return half_scales ? kvflow::kQuantAmxRowsHalf : kvflow::kQuantAmxRows;
+    if (kvflow::amx_permitted()) return kvflow::kQuantPairs;
+#endif
+#if defined(KVFLOW_AVX512BF16)
+    if (half_scales) return kvflow::kQuantPairsHalf;
 #endif
     (void)bits, (void)group, (void)k, (void)half_scales;
     return kvflow::kQuantPairs;
@@ -60,20 +67,22 @@ int kvflow_quant_tiles_layout(int bits, int64_t group, int64_t k, int half_scale
 
 // Row-major QuantizedWeight (q [N][K] int8 or [N][K/2] GGUF-order nibbles, scales/offsets
 // [N][K / group]) -> the tile layout above (bits 4: offsets_out is required, zeros for none;
-// kQuantAmxRowsHalf: neither is written, q_out holds the scales and offsets). Plain C++: runs on
-// every machine. Returns -1 for a layout it does not take (a group not a multiple of 4 or not
-// dividing K; bits 4: K not a multiple of 32; the AMX row layouts: not 4 bits in groups of whole
-// k tiles; kQuantAmxRowsHalf: a scale or offset that is not a float16 value).
+// kQuantAmxRowsHalf: neither is written, q_out holds the scales and offsets; kQuantPairsHalf:
+// they are float16 bits). Plain C++: runs on every machine. Returns -1 for a layout it does not
+// take (a group not a multiple of 4 or not dividing K; bits 4: K not a multiple of 32; the AMX
+// row layouts: not 4 bits in groups of whole k tiles; the float16 layouts: a scale or offset that
+// is not a float16 value).
 int kvflow_pack_quant_tiles(int bits, int layout, const uint8_t* q, const float* scales, const float* offsets,
-                            int64_t group, int64_t n, int64_t k, uint8_t* q_out, float* scales_out,
-                            float* offsets_out) {
+                            int64_t group, int64_t n, int64_t k, uint8_t* q_out, void* scales_out,
+                            void* offsets_out) {
     const bool half = layout == kvflow::kQuantAmxRowsHalf, rows = half || layout == kvflow::kQuantAmxRows;
+    const bool pairs_half = layout == kvflow::kQuantPairsHalf;
     if ((bits != 8 && bits != 4) || group <= 0 || group % 4 != 0 || k % group != 0 ||
         (bits == 4 && (k % 32 != 0 || (offsets_out == nullptr && !half))) ||
-        (layout != kvflow::kQuantPairs && !rows) || (rows && (bits != 4 || group % 32 != 0)))
+        (layout != kvflow::kQuantPairs && !pairs_half && !rows) || (rows && (bits != 4 || group % 32 != 0)))
         return -1;
     const int64_t tiles = (n + kTileCols - 1) / kTileCols, groups = k / group;
-    if (half)
+    if (half || pairs_half)
         for (int64_t i = 0; i < n * groups; ++i)
             if (float16_bits(scales[i]) < 0 || float16_bits(offsets ? offsets[i] : 0.f) < 0) return -1;
 #pragma omp parallel for
@@ -120,8 +129,13 @@ int kvflow_pack_quant_tiles(int bits, int layout, const uint8_t* q, const float*
                 const int64_t col = tile * kTileCols + lane, at = (tile * groups + g) * kTileCols + lane;
                 const float scale = col < n ? scales[col * groups + g] : 0.f;
                 const float offset = col < n && offsets ? offsets[col * groups + g] : 0.f;
-                scales_out[at] = scale;
-                if (offsets_out) offsets_out[at] = offset;
+                if (pairs_half) {  // checked above: both are float16 values
+                    static_cast<uint16_t*>(scales_out)[at] = static_cast<uint16_t>(float16_bits(scale));
+                    if (offsets_out) static_cast<uint16_t*>(offsets_out)[at] = static_cast<uint16_t>(float16_bits(offset));
+                } else {
+                    static_cast<float*>(scales_out)[at] = scale;
+                    if (offsets_out) static_cast<float*>(offsets_out)[at] = offset;
+                }
             }
     }
     return 0;

@@ -63,6 +63,7 @@ class CPUKernels:
         # attention's and the quantized tiles' fast paths need AVX-512 (and AVX512-BF16 for bf16).
         isa = self.lib.kvflow_isa()
         self.avx512f, self.avx512_bf16 = bool(isa & 1), bool(isa & 2)
+        self.has_amx = bool(isa & 8)  # AMX tiles granted here (`amx` says whether they run the GEMMs)
         self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
         self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]

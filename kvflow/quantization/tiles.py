@@ -18,7 +18,9 @@ A operand, csrc/quant_gemm_amx_rows.h), where dequantizing is a lookup in a 16-e
 column and group: the same bits, at about 0.6x the arithmetic, which a decode step's one row
 otherwise pays in full. Where every scale and offset is a float16 value (a GGUF file's always,
 `methods.quantize_int4`'s by construction) they travel as float16 inside the quant stream
-(AMX_ROWS_HALF): a sixth fewer bytes for groups of 32, which a decode step reads once each.
+(AMX_ROWS_HALF): a sixth fewer bytes for groups of 32, which a decode step reads once each. The
+AVX512-BF16 kernel reads them as float16 too (PAIRS_HALF, beside the k-pair quants), widened to
+the same float32 values: the same bits, a sixth fewer bytes.
 quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
 for CPUs without AVX2.
 
@@ -40,8 +42,9 @@ from kvflow.layers import cpu_kernels
 from kvflow.quantization.qweight import QuantizedWeight
 
 TILE_COLS = 16  # output columns per tile, as in the bf16 GEMM (csrc/gemm_blocking.h)
-# how a tile's quants are ordered (csrc/quant_gemm_avx2.h's kQuantPairs, kQuantAmxRows, kQuantAmxRowsHalf)
-PAIRS, AMX_ROWS, AMX_ROWS_HALF = 0, 1, 2
+# how a tile's quants are ordered (csrc/quant_gemm_avx2.h's kQuantPairs, kQuantAmxRows, kQuantAmxRowsHalf,
+# kQuantPairsHalf)
+PAIRS, AMX_ROWS, AMX_ROWS_HALF, PAIRS_HALF = 0, 1, 2, 3
 
 
 @dataclass
@@ -49,7 +52,7 @@ class QuantTiles:
     """A `QuantizedWeight` in tile order (csrc/quant_gemm_bf16.cpp describes the layout)."""
 
     q: torch.Tensor  # uint8 [ceil(N/16) * K/2 * (32 or 16)] (AMX_ROWS_HALF: with the scales and offsets)
-    scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16] (AMX_ROWS_HALF: empty)
+    scales: torch.Tensor  # float32 [ceil(N/16), K / group_size, 16] (PAIRS_HALF: float16; AMX_ROWS_HALF: empty)
     offsets: torch.Tensor | None  # the same shape; 4 bits: always (zeros for none; AMX_ROWS_HALF: None)
     bits: int
     group_size: int
@@ -59,8 +62,7 @@ class QuantTiles:
 
     @property
     def nbytes(self) -> int:
-        extra = self.offsets.numel() * 4 if self.offsets is not None else 0
-        return self.q.numel() + self.scales.numel() * 4 + extra
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
 
 
 @functools.cache
@@ -112,10 +114,14 @@ class _Plan:
     offsets: bool
 
     @property
+    def scales_dtype(self) -> torch.dtype:
+        return torch.float16 if self.layout == PAIRS_HALF else torch.float32
+
+    @property
     def nbytes(self) -> int:
         """All of it, each tensor starting 64-byte aligned (as placed in a shared buffer)."""
-        floats = _aligned(math.prod(self.scales_shape) * 4)
-        return _aligned(self.q_bytes) + floats * (2 if self.offsets else 1)
+        factors = _aligned(math.prod(self.scales_shape) * self.scales_dtype.itemsize)
+        return _aligned(self.q_bytes) + factors * (2 if self.offsets else 1)
 
 
 def _aligned(nbytes: int) -> int:
@@ -126,7 +132,7 @@ def _plan(weight: QuantizedWeight, lib: ctypes.CDLL) -> _Plan:
     if not supports(weight):
         raise ValueError(f"quantized tiles: groups of {weight.group_size} over {weight.in_features} inputs")
     n, k = weight.out_features, weight.in_features
-    half = weight.bits == 4 and float16_values(weight.scales) and float16_values(weight.offsets)
+    half = float16_values(weight.scales) and float16_values(weight.offsets)
     layout = lib.kvflow_quant_tiles_layout(weight.bits, weight.group_size, k, int(half))
     if layout == AMX_ROWS_HALF:  # the scales and offsets travel in q
         return _Plan(layout, lib.kvflow_quant_tiles_bytes(weight.bits, layout, weight.group_size, n, k), (0,), False)
@@ -151,7 +157,8 @@ def packed_bytes(weight: QuantizedWeight, lib: ctypes.CDLL | None = None) -> int
 def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> QuantTiles:
     """The tile form of `weight` (its tensors are only read), in the layout the kernels want now:
     AMX_ROWS (AMX_ROWS_HALF where the scales and offsets are float16 values) for 4-bit weights in
-    short groups while AMX runs the GEMMs, else PAIRS. Its tensors are views of `out` (uint8,
+    short groups while AMX runs the GEMMs; else PAIRS_HALF where they are float16 values and the
+    AVX512-BF16 kernel runs; else PAIRS. Its tensors are views of `out` (uint8,
     `packed_bytes(weight)` of them) when given. `lib` is for tests (an emulated build)."""
     lib = _require(lib)
     plan = _plan(weight, lib)
@@ -172,8 +179,8 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None, out: torch.Ten
         return view
 
     q = tensor((plan.q_bytes,), torch.uint8)
-    scales = tensor(plan.scales_shape, torch.float32)
-    offsets = tensor(plan.scales_shape, torch.float32) if plan.offsets else None
+    scales = tensor(plan.scales_shape, plan.scales_dtype)
+    offsets = tensor(plan.scales_shape, plan.scales_dtype) if plan.offsets else None
     src_q, src_scales = weight.qweight.contiguous(), weight.scales.float().contiguous()  # held across the call
     src_offsets = None if weight.offsets is None else weight.offsets.float().contiguous()
     rc = lib.kvflow_pack_quant_tiles(weight.bits, plan.layout, src_q.data_ptr(), src_scales.data_ptr(),

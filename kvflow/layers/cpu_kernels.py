@@ -72,6 +72,8 @@ class CPUKernels:
         for fn in (self.lib.kvflow_add_rms_norm, self.lib.kvflow_silu_and_mul, self.lib.kvflow_rotary,
                    self.lib.kvflow_paged_prefill_attention):
             fn.restype = ctypes.c_int
+        self.lib.kvflow_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
+        self.lib.kvflow_argmax_rows.restype = ctypes.c_int
         self.lib.kvflow_set_bf16_dot.argtypes = [ctypes.c_int]
         self.lib.kvflow_time_bf16_dot.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
         self.bf16_dot = ""  # "dpbf16" or "fma": set just below
@@ -313,6 +315,15 @@ class CPUKernels:
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
         check_rc(self.lib.kvflow_silu_and_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                                             gate_up.numel() // (2 * inter), inter), "silu_and_mul")
+        return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: each row's first maximum (its first NaN where it has one), as
+        `logits.max(dim=-1).indices`, for float32 [rows, n] logits with unit column stride."""
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        check_rc(self.lib.kvflow_argmax_rows(logits.data_ptr(), rows, n, logits.stride(0), out.data_ptr()),
+                 "argmax_rows")
         return out
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

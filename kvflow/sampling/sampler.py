@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.layers import cpu_kernels
 from kvflow.sampling.bitmask import apply_token_bitmask
 from kvflow.sampling.params import SamplingParams
 
@@ -265,8 +266,14 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, lowest index on ties. `max(dim)` measured 1.8x faster than `argmax`
-    on a [32, 49152] float32 batch on the CPU, with the same first-maximum rule."""
+    """Row-wise argmax, lowest index on ties (a row's first NaN where it has one). On the CPU,
+    kvflow's kernel (csrc/sampling.cpp: a [32, 49152] float32 batch 441 -> ~60 us, one row 95 ->
+    ~10 us); else `max(dim)`, measured 1.8x faster than `argmax` there, with the same rule."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 \
+            and logits.shape[1] > 0:
+        kernels = cpu_kernels.load()
+        if kernels is not None:
+            return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

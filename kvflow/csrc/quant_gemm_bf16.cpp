@@ -73,8 +73,12 @@ using kvflow::Unpack;
 constexpr int64_t kRegisterRows = kvflow::kMaxBlockRows;
 // Up to this many rows, blocks of kRegisterRows unpack the chunk's quants again (from L1) rather
 // than one unpacked tile being stored and read back: in cache, single thread, 512 x 576, int4
-// M=16 29.8 -> 25.9 us, M=32 55.5 -> 50.1 us; from 64 rows on the two are even.
-constexpr int64_t kUnpackedRows = 32;
+// M=16 29.8 -> 25.9 us, M=32 55.5 -> 50.1 us; from 64 rows on the two are even. An int8 quant
+// takes 2.5 operations to unpack against 4 bits' one, so int8 stores its tile from 25 rows (the
+// 120 linears from memory, two threads, CPU family 26, three alternations: 28 rows 11.5-12.0 ->
+// 10.4-11.2 ms, 32 rows 12.0-14.2 -> 11.2-11.8; 4 bits at 25 rows were 20-40 % slower so).
+template <int Bits>
+constexpr int64_t kUnpackedRows = Bits == 8 ? 24 : 32;
 // Up to this many rows, kQuantPairsHalf's blocks widen their float16 factors themselves
 // (quant_gemm_bf16 below says why).
 constexpr int64_t kHalfInBlockRows = 8;
@@ -215,10 +219,10 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
                     xsums[r * groups + g] = group_sum(x + r * x_stride + g * w.group, w.group);
             // (the loop's barrier: every row's sums are in place before any chunk reads them)
         }
-        uint16_t* tiles = m <= kUnpackedRows
+        uint16_t* tiles = m <= kUnpackedRows<Bits>
                               ? nullptr
                               : static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(kNT * tile_stride) * 2));
-        if (m > kUnpackedRows && tiles == nullptr) {
+        if (m > kUnpackedRows<Bits> && tiles == nullptr) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -268,7 +272,7 @@ int quant_gemm_bf16(const uint16_t* x, int64_t m, int64_t x_stride, const Weight
                 else
                     rows<1, Offsets, false>(block_rows, x + r * x_stride, x_stride, sums, cw, factors_tile0, src, store);
             };
-            if (m <= kUnpackedRows) {  // row blocks of up to kRegisterRows, each unpacking the quants again
+            if (m <= kUnpackedRows<Bits>) {  // row blocks of up to kRegisterRows, each unpacking the quants again
                 const PackedQuants<Bits> src{w.q + tile0 * bytes, bytes};
                 const int64_t blocks = (m + kRegisterRows - 1) / kRegisterRows;
                 for (int64_t b = 0, r = 0; b < blocks; ++b) {

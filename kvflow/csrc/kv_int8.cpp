@@ -82,6 +82,44 @@ inline uint16_t quantize_head(const typename Dt::T* x, int64_t head_dim, int8_t*
     return scale;
 }
 
+#if defined(KVFLOW_AVX512F)
+// quantize_head for head_dim a multiple of 16 (up to 1,024), 16 lanes at a time: the same
+// bits. amax ignores NaN as fmax does (_mm512_max_ps returns its second operand when either
+// is NaN, so the running maximum goes second); x / s is a true division, rounded to nearest
+// even as nearbyint; the clamp maps NaN to -127 as fmin(fmax(NaN, -127), 127) does. A
+// W-offline run spent ~5 % of its time in the scalar loop (one division per element).
+template <typename Dt>
+inline uint16_t quantize_head16(const typename Dt::T* x, int64_t head_dim, int8_t* q) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 16)
+        amax = _mm512_max_ps(_mm512_and_ps(kvflow::load16(x + d), sign), amax);
+    const uint16_t scale = float_to_half(std::fmin(_mm512_reduce_max_ps(amax) / 127.f, 65504.f));
+    const float s = half_to_float(scale);
+    if (!(s > 0.f)) {
+        std::memset(q, 0, static_cast<size_t>(head_dim));
+        return scale;
+    }
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(kvflow::load16(x + d), vs),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+    }
+    return scale;
+}
+#endif
+
+// One head, by the vector path where it applies.
+template <typename Dt>
+inline uint16_t quantize_head_fast(const typename Dt::T* x, int64_t head_dim, int8_t* q) {
+#if defined(KVFLOW_AVX512F)
+    if (head_dim % 16 == 0) return quantize_head16<Dt>(x, head_dim, q);
+#endif
+    return quantize_head<Dt>(x, head_dim, q);
+}
+
 template <typename Dt>
 void write_kv_int8(const typename Dt::T* k, int64_t k_stride, const typename Dt::T* v, int64_t v_stride,
                    int8_t* key_cache, uint16_t* key_scales, int8_t* value_cache, uint16_t* value_scales,
@@ -93,13 +131,13 @@ void write_kv_int8(const typename Dt::T* k, int64_t k_stride, const typename Dt:
         const int64_t slot = slot_mapping[t], b = slot / block_size, i = slot % block_size;
         int8_t q[1024];
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            key_scales[slot * num_kv_heads + h] = quantize_head<Dt>(k + t * k_stride + h * head_dim, head_dim, q);
+            key_scales[slot * num_kv_heads + h] = quantize_head_fast<Dt>(k + t * k_stride + h * head_dim, head_dim, q);
             int8_t* kblock = key_cache + b * block_elems;
-            for (int64_t d = 0; d < head_dim; ++d)
-                kblock[kvflow::key_offset<int8_t>(i, h, d, head_dim, block_size)] = q[d];
+            for (int64_t d = 0; d < head_dim; d += 4)  // one 4-dim cell at a time (head_dim % 4 == 0)
+                std::memcpy(kblock + kvflow::key_offset<int8_t>(i, h, d, head_dim, block_size), q + d, 4);
             value_scales[slot * num_kv_heads + h] =
-                quantize_head<Dt>(v + t * v_stride + h * head_dim, head_dim,
-                                  value_cache + (slot * num_kv_heads + h) * head_dim);
+                quantize_head_fast<Dt>(v + t * v_stride + h * head_dim, head_dim,
+                                       value_cache + (slot * num_kv_heads + h) * head_dim);
         }
     }
 }

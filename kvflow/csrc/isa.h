@@ -123,6 +123,23 @@ inline __m512i cvtepi8_epi32(__m128i a) {
     return _mm512_load_si512(out);
 }
 
+// vpmovdw and vpmovdb (zmm): each doubleword truncated to its low word or byte, also missing.
+inline __m256i cvtepi32_epi16(__m512i a) {
+    alignas(64) int32_t in[16];
+    alignas(32) int16_t out[16];
+    _mm512_store_si512(in, a);
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<int16_t>(static_cast<uint32_t>(in[i]) & 0xffffu);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
+}
+
+inline __m128i cvtepi32_epi8(__m512i a) {
+    alignas(64) int32_t in[16];
+    alignas(16) int8_t out[16];
+    _mm512_store_si512(in, a);
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<int8_t>(static_cast<uint32_t>(in[i]) & 0xffu);
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(out));
+}
+
 }  // namespace kvflow::simde_shim
 
 #undef _mm512_dpbf16_ps
@@ -142,6 +159,10 @@ inline __m512i cvtepi8_epi32(__m128i a) {
 #define _mm512_cvtepu8_epi16 kvflow::simde_shim::cvtepu8_epi16
 #undef _mm512_cvtepi8_epi32
 #define _mm512_cvtepi8_epi32 kvflow::simde_shim::cvtepi8_epi32
+#undef _mm512_cvtepi32_epi16
+#define _mm512_cvtepi32_epi16 kvflow::simde_shim::cvtepi32_epi16
+#undef _mm512_cvtepi32_epi8
+#define _mm512_cvtepi32_epi8 kvflow::simde_shim::cvtepi32_epi8
 
 #elif defined(__AVX512F__)
 #include <immintrin.h>

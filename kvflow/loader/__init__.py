@@ -21,7 +21,8 @@ from kvflow.config import ModelConfig
 from kvflow.layers.attention import AttentionBackend
 from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
-from kvflow.quantization.apply import quantize_model
+from kvflow.layers.memory import return_freed_heap
+from kvflow.quantization.apply import quantizable_linears, quantize_model
 from kvflow.quantization.methods import quantize
 from kvflow.quantization.config import HF_SHIPPED, SHIPPED, QuantizationConfig
 from kvflow.quantization.gguf import SHIPPED_NAMES
@@ -190,7 +191,7 @@ def load_model(
     if adapt_model is not None:
         adapt_model(model)
     if load_format == "dummy":
-        _init_dummy(model)
+        _init_dummy(model, quantization if quantization is not None and quantization.method in ("int8", "int4") else None)
     else:
         keep = None
         if quantization is not None and quantization.method in SHIPPED:
@@ -248,10 +249,25 @@ def _runs_as_shipped(hf_name: str) -> bool:
 
 
 @torch.no_grad()
-def _init_dummy(model: nn.Module) -> None:
-    """Small random weights: outputs are meaningless, but shapes and cost are the real ones."""
-    for name, param in model.named_parameters():
+def _init_dummy(model: nn.Module, quantization: QuantizationConfig | None = None) -> None:
+    """Small random weights: outputs are meaningless, but shapes and cost are the real ones.
+
+    With int8/int4, each linear weight is quantized as soon as it is drawn and its float copy
+    released, as `_quantized_as_loaded` does for a checkpoint: the float model is never resident
+    at once, so a large shape's peak memory is that of its quantized model, not of its float one.
+    The draws are the same in either case (one parameter after another, in module order)."""
+    linears = {}
+    if quantization is not None:
+        linears = {f"{name}.weight": m for name, m in quantizable_linears(model, quantization).items()}
+    # Names, not the parameters: a list of them would keep every released float weight alive.
+    for name in [name for name, _ in model.named_parameters()]:
+        param = model.get_parameter(name)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02)
+        module = linears.get(name)
+        if module is not None:
+            module.set_quantized(quantize(param.detach(), quantization.method, quantization.group_size))
+    if linears:
+        return_freed_heap()

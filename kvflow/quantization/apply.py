@@ -23,20 +23,28 @@ logger = logging.getLogger("kvflow")
 
 def quantize_model(model: nn.Module, config: QuantizationConfig) -> Counter:
     """Quantize every eligible `Linear`; returns how many layers run on each format."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
-    for name, module in linears:
-        if module.quant_weight is None and _eligible(name, config) and config.method not in SHIPPED:
-            config.check_layer(name, module.in_features)
-    for name, module in linears:
-        if module.quant_weight is not None or not _eligible(name, config):
-            continue
-        if config.method in SHIPPED:
-            logger.info("quantization=%s: %s was not quantized in the checkpoint; it runs in %s",
-                        config.method, name, module.weight.dtype)
-            continue
-        module.set_quantized(quantize(module.weight.detach(), config.method, config.group_size))
+    if config.method in SHIPPED:
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and module.quant_weight is None and _eligible(name, config):
+                logger.info("quantization=%s: %s was not quantized in the checkpoint; it runs in %s",
+                            config.method, name, module.weight.dtype)
+    else:
+        for module in quantizable_linears(model, config).values():
+            module.set_quantized(quantize(module.weight.detach(), config.method, config.group_size))
     return_freed_heap()
     return summarize(model)
+
+
+def quantizable_linears(model: nn.Module, config: QuantizationConfig) -> dict[str, Linear]:
+    """The float `Linear`s that `config` (int8, int4) quantizes at load, by module name.
+
+    Each is checked against the config first, so a group size that does not divide some layer's
+    input is refused before any weight is quantized."""
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.quant_weight is None and _eligible(name, config)}
+    for name, module in linears.items():
+        config.check_layer(name, module.in_features)
+    return linears
 
 
 def summarize(model: nn.Module) -> Counter:

@@ -20,7 +20,7 @@ import numpy as np
 from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range, grounded_requests
 from kvflow.bench.metrics import Percentiles, percentiles, request_latency
-from kvflow.bench.results import numerics_label
+from kvflow.bench.results import current_rss_mb, numerics_label, peak_rss_mb
 
 
 @dataclass
@@ -41,6 +41,8 @@ class LatencyResult:
     iterations: list[Iteration]
     ttft: Percentiles
     itl: Percentiles
+    peak_rss_mb: float  # the process's maximum, loading included (issue 12 compares weight formats by it)
+    rss_mb: float  # resident at the end: what serving holds once loading's transients are gone
 
     def summary(self) -> str:
         t, i = self.ttft.scaled(1e3), self.itl.scaled(1e3)
@@ -50,6 +52,7 @@ class LatencyResult:
             f"at a time, {self.input_len} prompt tokens -> {self.output_len} output tokens",
             f"  TTFT      median {t.p50:8.1f} ms   p90 {t.p90:8.1f} ms   mean {t.mean:8.1f} ms",
             f"  mean ITL  median {i.p50:8.2f} ms   p90 {i.p90:8.2f} ms   mean {i.mean:8.2f} ms",
+            f"  peak RSS {self.peak_rss_mb:.0f} MB (loading included), RSS at the end {self.rss_mb:.0f} MB",
         ]
         if cached:
             lines.append(f"  WARNING: {cached} prompt tokens came from the prefix cache; "
@@ -133,6 +136,7 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
         input_len=args.input_len if args.dataset == "random" else round(sum(map(len, timed)) / len(timed)),
         num_threads=torch.get_num_threads(), iterations=iterations,
         ttft=percentiles(it.ttft_s for it in iterations), itl=percentiles(it.mean_itl_s for it in iterations),
+        peak_rss_mb=peak_rss_mb(), rss_mb=current_rss_mb(),
     )
     print(result.summary())
     print("  machine: " + machine_info().describe())

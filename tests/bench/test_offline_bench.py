@@ -143,6 +143,7 @@ def test_latency_end_to_end(tiny, tmp_path, capsys):
         assert it["output_tokens"] == 8 and it["cached_prompt_tokens"] == 0
         assert 0 < it["ttft_s"] < it["e2e_s"] and it["mean_itl_s"] > 0
     assert res["ttft"]["count"] == 3 and res["ttft"]["p50"] > 0 and res["itl"]["p90"] >= res["itl"]["p50"]
+    assert 0 < res["rss_mb"] <= res["peak_rss_mb"]
     printed = capsys.readouterr().out
     assert "TTFT" in printed and "mean ITL" in printed and "WARNING" not in printed
 

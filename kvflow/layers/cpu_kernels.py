@@ -76,7 +76,7 @@ class CPUKernels:
         self.lib.kvflow_argmax_rows.restype = ctypes.c_int
         self.lib.kvflow_set_bf16_dot.argtypes = [ctypes.c_int]
         self.lib.kvflow_time_bf16_dot.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
-        self.bf16_dot = ""  # "dpbf16" or "fma": set just below
+        self.bf16_dot = ""  # "dpbf16" or "fma" ("none" without bf16 kernels): set just below
         self.set_bf16_dot(os.environ.get("KVFLOW_BF16_DOT", "auto"))
         self.lib.kvflow_set_amx.argtypes = [ctypes.c_int]
         self.amx = False  # set just below
@@ -126,6 +126,11 @@ class CPUKernels:
             if timed:
                 logger.debug("bf16 products: %s (a 12-row block: vdpbf16ps %.0f us, FMAs %.0f us)", choice,
                              seconds[0] * 1e6, seconds[1] * 1e6)
+        if not self.avx512_bf16:
+            # No vdpbf16ps to choose: gemm_avx2.h always multiplies as the two FMAs, and without
+            # AVX2 no kvflow kernel multiplies bf16 at all.
+            self.bf16_dot = "fma" if self.has_gemm_bf16 else "none"
+            return self.bf16_dot
         self.bf16_dot = "fma" if self.lib.kvflow_set_bf16_dot(int(choice == "fma")) else "dpbf16"
         return self.bf16_dot
 

@@ -15,11 +15,11 @@ from tests.layers.test_prefill_attention import CHUNKS, build_step, write_new_kv
 @pytest.fixture
 def modes(kernels):
     if not kernels.has_gemm(torch.bfloat16):
-        pytest.skip("this CPU lacks AVX512-BF16: the bf16 GEMM and its FMA block are not compiled")
+        pytest.skip("this CPU has no bf16 GEMM (neither AVX512-BF16 nor AVX2 + FMA)")
     before = kernels.bf16_dot
-    if kernels.set_bf16_dot("fma") != "fma":
+    if kernels.set_bf16_dot("fma") != "fma" or kernels.set_bf16_dot("dpbf16") != "dpbf16":
         kernels.set_bf16_dot(before)
-        pytest.skip("the FMA block is not compiled in this build")
+        pytest.skip("this build has one way to multiply bf16 (no AVX512-BF16: the AVX2 blocks' FMAs)")
     yield kernels
     kernels.set_bf16_dot(before)
 
@@ -85,3 +85,13 @@ def test_choice_is_checked(modes):
     assert modes.set_bf16_dot("dpbf16") == modes.bf16_dot == "dpbf16"
     with pytest.raises(ValueError, match="KVFLOW_BF16_DOT"):
         modes.set_bf16_dot("amx")
+
+
+def test_without_avx512_bf16_the_label_says_fma(kernels):
+    """Benchmarks print this label with every figure: on AVX2 hosts the blocks multiply with FMAs,
+    whatever is asked."""
+    if kernels.avx512_bf16:
+        pytest.skip("this CPU has AVX512-BF16: both ways are compiled (test_choice_is_checked)")
+    before = kernels.bf16_dot
+    assert kernels.set_bf16_dot("dpbf16") == kernels.bf16_dot == ("fma" if kernels.has_gemm_bf16 else "none")
+    assert before == kernels.bf16_dot

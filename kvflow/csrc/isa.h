@@ -124,21 +124,19 @@ inline __m512i cvtepi8_epi32(__m128i a) {
 }
 
 // vpmovdw and vpmovdb (zmm): each doubleword truncated to its low word or byte, also missing.
-inline __m256i cvtepi32_epi16(__m512i a) {
-    alignas(64) int32_t in[16];
-    alignas(32) int16_t out[16];
+template <typename Lane, typename Vec>
+inline Vec truncate_dwords(__m512i a) {
+    alignas(64) uint32_t in[16];
+    Lane out[16];
+    static_assert(sizeof(out) == sizeof(Vec), "16 lanes fill the result");
     _mm512_store_si512(in, a);
-    for (int i = 0; i < 16; ++i) out[i] = static_cast<int16_t>(static_cast<uint32_t>(in[i]) & 0xffffu);
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<Lane>(in[i]);  // unsigned: the low bits
+    Vec v;
+    std::memcpy(&v, out, sizeof(v));
+    return v;
 }
-
-inline __m128i cvtepi32_epi8(__m512i a) {
-    alignas(64) int32_t in[16];
-    alignas(16) int8_t out[16];
-    _mm512_store_si512(in, a);
-    for (int i = 0; i < 16; ++i) out[i] = static_cast<int8_t>(static_cast<uint32_t>(in[i]) & 0xffu);
-    return _mm_load_si128(reinterpret_cast<const __m128i*>(out));
-}
+inline __m256i cvtepi32_epi16(__m512i a) { return truncate_dwords<uint16_t, __m256i>(a); }
+inline __m128i cvtepi32_epi8(__m512i a) { return truncate_dwords<uint8_t, __m128i>(a); }
 
 }  // namespace kvflow::simde_shim
 

@@ -4,7 +4,7 @@
 // vdpbf16ps adds a k-pair's odd product, then its even one, each product exact (a bf16 times an
 // integer of at most 8 significant bits) and each sum rounded once, denormals flushed: here two
 // FMAs under DAZ/FTZ on the integer as float32. A 4-bit integer is 128 + q, as on AVX-512, whose
-// float32 bits are 0x43000000 | q << 16: a mask, a shift and an OR away from the packed nibble.
+// float32 bits are 0x43000000 | q << 16: one vpshufb away from the masked nibbles (Avx2Unpack<4>).
 // Each group's scale and offset FMAs follow in the AVX-512 kernel's order, without DAZ/FTZ.
 //
 // Below kAvx2QuantWidenFrom rows (decode), row blocks unpack the quants in registers: the weights

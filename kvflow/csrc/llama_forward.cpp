@@ -46,7 +46,7 @@ struct KvflowQuantLinear {
     const float* scales;
     const float* offsets;  // may be null
     int64_t group;
-    int64_t layout;  // kQuantPairs, kQuantAmxRows or kQuantAmxRowsHalf (quant_gemm_avx2.h)
+    int64_t layout;  // kQuantPairs, kQuantAmxRows or kQuantAmxRowsHalf (quant_tiles.h)
 };
 
 // One layer's weights (packed by kvflow_pack_*_weight, in the stack's dtype, or quantized tiles

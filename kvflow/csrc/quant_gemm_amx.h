@@ -23,7 +23,7 @@
 
 #include "gemm_amx.h"
 #include "gemm_blocking.h"
-#include "quant_gemm_avx2.h"
+#include "quant_tiles.h"
 #include "quant_unpack.h"
 
 #if defined(KVFLOW_AMX)

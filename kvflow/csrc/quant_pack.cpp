@@ -6,7 +6,7 @@
 
 #include "gemm_blocking.h"
 #include "quant_gemm_amx.h"
-#include "quant_gemm_avx2.h"
+#include "quant_tiles.h"
 
 namespace {
 

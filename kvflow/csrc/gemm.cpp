@@ -153,7 +153,8 @@ void kvflow_pack_f32_weight(const float* w, int64_t n, int64_t k, float* packed)
 }
 
 // The instruction sets the library's fast paths were built for: 1 AVX-512F, 2 AVX512-BF16,
-// 4 the AVX2 GEMM (for the dtypes without an AVX-512 one), 8 AMX tiles granted on this CPU.
+// 4 the AVX2 GEMM (for the dtypes without an AVX-512 one), 8 AMX tiles granted on this CPU, 16 F16C
+// beside the AVX2 GEMM (its quantized tiles read float16 scales).
 int kvflow_isa() {
     int isa = 0;
 #if defined(KVFLOW_AVX512F)
@@ -164,6 +165,9 @@ int kvflow_isa() {
 #endif
 #if defined(KVFLOW_AVX2_GEMM)
     isa |= 4;
+#endif
+#if defined(KVFLOW_AVX2_F16C)
+    isa |= 16;
 #endif
 #if defined(KVFLOW_AMX)
     if (kvflow::amx_permitted()) isa |= 8;  // the CPU and kernel grant AMX tiles, whether or not they are switched on

@@ -175,4 +175,8 @@ inline __m128i cvtepi32_epi8(__m512i a) { return truncate_dwords<uint8_t, __m128
 #if !defined(KVFLOW_SIMDE) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVFLOW_AVX2_GEMM 1
+// With F16C (every AVX2 CPU so far) its quantized tiles also read float16 scales and offsets.
+#if defined(__F16C__)
+#define KVFLOW_AVX2_F16C 1
+#endif
 #endif

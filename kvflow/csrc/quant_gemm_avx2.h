@@ -129,6 +129,22 @@ inline float avx2_group_sum(const uint16_t* x, int64_t group) {
     return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
+// A block's scales or offsets from its first tile's: float32, or (Half, kQuantPairsHalf) float16
+// bits, which F16C widens to float32 exactly, so either layout gives the same bits.
+template <bool Half>
+struct Avx2Factors {
+    const char* base;
+    Avx2Factors(const float* tiles, int64_t at)
+        : base(tiles != nullptr ? reinterpret_cast<const char*>(tiles) + at * (Half ? 2 : 4) : nullptr) {}
+    const char* at(int64_t i) const { return base + i * (Half ? 2 : 4); }
+    inline __m256 load(int64_t i) const {
+        if constexpr (Half)
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at(i))));
+        else
+            return _mm256_loadu_ps(reinterpret_cast<const float*>(at(i)));
+    }
+};
+
 // MT rows x NT tiles: `group_dots(g, acc)` sets acc to group g's dot products (the rows' x
 // against the tiles' integers), `sums` are the rows' group sums ([rows][groups]), `scales` and
 // `offsets` the block's first tile's. The dot products run under DAZ/FTZ, kGroupBatch groups at
@@ -136,9 +152,9 @@ inline float avx2_group_sum(const uint16_t* x, int64_t group) {
 // vdpbf16ps flushes), so a row of tiny activations gives the same bits too.
 constexpr int64_t kGroupBatch = 16;
 
-template <int MT, int NT, bool Offsets, typename GroupDots, typename T>
-inline void avx2_quant_block(int bits, int64_t groups, const float* sums, const float* scales, const float* offsets,
-                             GroupDots group_dots, const T* bias, T* y, int64_t y_stride, int64_t cols) {
+template <int MT, int NT, bool Offsets, bool Half, typename GroupDots, typename T>
+inline void avx2_quant_block(int bits, int64_t groups, const float* sums, Avx2Factors<Half> scales,
+                             Avx2Factors<Half> offsets, GroupDots group_dots, const T* bias, T* y, int64_t y_stride, int64_t cols) {
     alignas(32) float out[MT][2 * NT][8] = {};
     alignas(32) float dots[kGroupBatch][MT][2 * NT][8];
     for (int64_t g0 = 0; g0 < groups; g0 += kGroupBatch) {
@@ -169,13 +185,13 @@ inline void avx2_quant_block(int bits, int64_t groups, const float* sums, const 
                 const int64_t at = ((i / 2) * groups + g) * kTileCols + 8 * (i % 2);
                 // Scales and offsets are two more streams (4 bits, groups of 32: half the quants'
                 // bytes), asked for ahead as on AVX-512.
-                _mm_prefetch(reinterpret_cast<const char*>(scales + at + 2048), _MM_HINT_T1);
-                if constexpr (Offsets) _mm_prefetch(reinterpret_cast<const char*>(offsets + at + 2048), _MM_HINT_T1);
-                const __m256 s = _mm256_loadu_ps(scales + at);
+                _mm_prefetch(scales.at(at + 2048), _MM_HINT_T1);
+                if constexpr (Offsets) _mm_prefetch(offsets.at(at + 2048), _MM_HINT_T1);
+                const __m256 s = scales.load(at);
                 // o' (quant_gemm_bf16.cpp): o - 128 s for 4 bits, one rounding as on AVX-512.
                 __m256 o_prime = _mm256_setzero_ps();
                 if constexpr (Offsets) {
-                    o_prime = _mm256_loadu_ps(offsets + at);
+                    o_prime = offsets.load(at);
                     if (bits == 4) o_prime = _mm256_fnmadd_ps(_mm256_set1_ps(128.f), s, o_prime);
                 }
 #pragma GCC unroll 16
@@ -239,8 +255,8 @@ struct Avx2StoredDots {
 };
 
 // y[M, N] = x @ dequant(W)^T (+ bias), x bf16; T: the output's dtype (bf16 bits or float32).
-// Returns 0, or -4 (out of memory).
-template <typename T, int Bits, bool Offsets>
+// Half: kQuantPairsHalf (needs F16C). Returns 0, or -4 (out of memory).
+template <typename T, int Bits, bool Offsets, bool Half = false>
 int quant_gemm_avx2(const uint16_t* x, int64_t m, int64_t x_stride, const QuantTileWeight& w, int64_t n,
                     const T* bias, T* y, int64_t y_stride) {
     const int64_t k = w.k, groups = w.groups(), tile_bytes = quant_tile_bytes(Bits, k);
@@ -262,8 +278,8 @@ int quant_gemm_avx2(const uint16_t* x, int64_t m, int64_t x_stride, const QuantT
             constexpr int MT = decltype(mt)::value, NT = decltype(nt)::value;
             const int64_t col = n0 + t * kTileCols, cols = std::min<int64_t>(NT * kTileCols, n - col);
             const int64_t at = (tile0 + t) * groups * kTileCols;
-            avx2_quant_block<MT, NT, Offsets>(Bits, groups, Offsets ? sums + r * groups : nullptr, w.scales + at,
-                                              Offsets ? w.offsets + at : nullptr, dots,
+            avx2_quant_block<MT, NT, Offsets, Half>(Bits, groups, Offsets ? sums + r * groups : nullptr,
+                                                    {w.scales, at}, {w.offsets, at}, dots,
                                               bias != nullptr ? bias + col : nullptr, y + r * y_stride + col, y_stride,
                                               cols);
         };

@@ -39,7 +39,7 @@
 // (kQuantAmxRows, quant_gemm_amx_rows.h) or, scales and offsets being float16 values, in layout 2
 // (kQuantAmxRowsHalf, the same with them as float16 in the quant stream), which only that kernel
 // reads. Layout 3 (kQuantPairsHalf) is layout 0 with float16 scales and offsets, for this kernel
-// on CPUs without AMX.
+// and quant_gemm_avx2.h's on CPUs without AMX.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -323,12 +323,17 @@ int quant_gemm_bf16_for(const uint16_t* x, int64_t m, int64_t x_stride, const We
 #endif
         return -5;  // packed while AMX ran the GEMMs; it does not now
     }
-    if (w.layout == kvflow::kQuantPairsHalf) {  // packed only on AVX512-BF16 without AMX (kvflow_quant_tiles_layout)
-#if defined(KVFLOW_AVX512BF16)
+    if (w.layout == kvflow::kQuantPairsHalf) {  // packed only without AMX (kvflow_quant_tiles_layout)
         if (w.bits == 4 && w.offsets == nullptr) return -1;
+#if defined(KVFLOW_AVX512BF16)
         if (w.bits == 4) return quant_gemm_bf16<Out, 4, true, true>(x, m, x_stride, w, n, bias, y, y_stride);
         return w.offsets ? quant_gemm_bf16<Out, 8, true, true>(x, m, x_stride, w, n, bias, y, y_stride)
                          : quant_gemm_bf16<Out, 8, false, true>(x, m, x_stride, w, n, bias, y, y_stride);
+#elif defined(KVFLOW_AVX2_F16C)
+        using T = typename Out::T;
+        if (w.bits == 4) return kvflow::quant_gemm_avx2<T, 4, true, true>(x, m, x_stride, w, n, bias, y, y_stride);
+        return w.offsets ? kvflow::quant_gemm_avx2<T, 8, true, true>(x, m, x_stride, w, n, bias, y, y_stride)
+                         : kvflow::quant_gemm_avx2<T, 8, false, true>(x, m, x_stride, w, n, bias, y, y_stride);
 #else
         return -1;
 #endif

@@ -49,8 +49,8 @@ int64_t kvflow_quant_tiles_bytes(int bits, int layout, int64_t group, int64_t n,
 // are under kBlockedGroupTiles whole k tiles while AMX runs the GEMMs, kQuantAmxRowsHalf when
 // `half_scales` (every scale and offset is a float16 value), else kQuantAmxRows; else, where
 // the CPU has AMX at all, kQuantPairs (the AMX kernels read float32 scales, and a weight packed
-// with AMX switched off still runs on it once it is on); else, on AVX512-BF16, kQuantPairsHalf
-// when `half_scales`; else kQuantPairs (the AVX2 kernel's only layout).
+// with AMX switched off still runs on it once it is on); else, on AVX512-BF16 or AVX2 with F16C,
+// kQuantPairsHalf when `half_scales`; else kQuantPairs.
 int kvflow_quant_tiles_layout(int bits, int64_t group, int64_t k, int half_scales) {
 #if defined(KVFLOW_AMX)
     if (kvflow::amx_enabled() && bits == 4 && group > 0 && group % 32 == 0 && k % group == 0 &&
@@ -58,7 +58,7 @@ int kvflow_quant_tiles_layout(int bits, int64_t group, int64_t k, int half_scale
         return half_scales ? kvflow::kQuantAmxRowsHalf : kvflow::kQuantAmxRows;
     if (kvflow::amx_permitted()) return kvflow::kQuantPairs;
 #endif
-#if defined(KVFLOW_AVX512BF16)
+#if defined(KVFLOW_AVX512BF16) || defined(KVFLOW_AVX2_F16C)
     if (half_scales) return kvflow::kQuantPairsHalf;
 #endif
     (void)bits, (void)group, (void)k, (void)half_scales;

@@ -14,8 +14,8 @@ namespace kvflow {
 // with float32 scales and offsets beside them or, where both are float16 values, inside the
 // quant stream as float16 (kQuantAmxRowsHalf: a sixth fewer bytes at groups of 32, one stream).
 // kQuantPairsHalf is kQuantPairs with the scales and offsets beside it as float16 bits in the
-// same [tiles][groups][16] order (the AVX512-BF16 kernel only, on CPUs without AMX: 4-bit groups
-// of 32 stream a sixth fewer bytes, and a float16 value widens to float32 exactly).
+// same [tiles][groups][16] order (the AVX512-BF16 and AVX2 + F16C kernels, on CPUs without AMX:
+// 4-bit groups of 32 stream a sixth fewer bytes, and a float16 value widens to float32 exactly).
 constexpr int kQuantPairs = 0;
 constexpr int kQuantAmxRows = 1;
 constexpr int kQuantAmxRowsHalf = 2;

@@ -64,6 +64,7 @@ class CPUKernels:
         isa = self.lib.kvflow_isa()
         self.avx512f, self.avx512_bf16 = bool(isa & 1), bool(isa & 2)
         self.has_amx = bool(isa & 8)  # AMX tiles granted here (`amx` says whether they run the GEMMs)
+        self.avx2_f16c = bool(isa & 16)  # the AVX2 quantized tiles read float16 scales (tiles.PAIRS_HALF)
         self.lib.kvflow_add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self.lib.kvflow_silu_and_mul.argtypes = [ctypes.c_int, ptr, ptr, i64, i64]
         self.lib.kvflow_rotary.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]

@@ -19,8 +19,8 @@ column and group: the same bits, at about 0.6x the arithmetic, which a decode st
 otherwise pays in full. Where every scale and offset is a float16 value (a GGUF file's always,
 `methods.quantize_int4`'s by construction) they travel as float16 inside the quant stream
 (AMX_ROWS_HALF): a sixth fewer bytes for groups of 32, which a decode step reads once each. The
-AVX512-BF16 kernel reads them as float16 too (PAIRS_HALF, beside the k-pair quants), widened to
-the same float32 values: the same bits, a sixth fewer bytes.
+AVX512-BF16 and AVX2 + F16C kernels read them as float16 too (PAIRS_HALF, beside the k-pair
+quants), widened to the same float32 values: the same bits, a sixth fewer bytes.
 quant_gemm.cpp (row layout, float32 dot products) stays the path for float32 activations and
 for CPUs without AVX2.
 
@@ -158,7 +158,7 @@ def pack(weight: QuantizedWeight, lib: ctypes.CDLL | None = None, out: torch.Ten
     """The tile form of `weight` (its tensors are only read), in the layout the kernels want now:
     AMX_ROWS (AMX_ROWS_HALF where the scales and offsets are float16 values) for 4-bit weights in
     short groups while AMX runs the GEMMs; else PAIRS_HALF where they are float16 values and the
-    AVX512-BF16 kernel runs; else PAIRS. Its tensors are views of `out` (uint8,
+    AVX512-BF16 or AVX2 + F16C kernel runs; else PAIRS. Its tensors are views of `out` (uint8,
     `packed_bytes(weight)` of them) when given. `lib` is for tests (an emulated build)."""
     lib = _require(lib)
     plan = _plan(weight, lib)

@@ -117,8 +117,8 @@ def test_amx_row_tiles_are_packed_for_short_4_bit_groups_only_and_refused_withou
              "int4 g32, float32 scales": _float32_scales(methods.quantize_int4(w, 32)),
              "int4 g256": methods.quantize_int4(w, 256), "int8 g32": methods.quantize_int8(w, 32),
              "int8": methods.quantize_int8(w)}
-    with amx_mode(kernels, "off"):  # k-pair tiles; float16 scales where only the AVX512-BF16 kernel runs them
-        half = tiles.PAIRS_HALF if kernels.avx512_bf16 and not kernels.has_amx else tiles.PAIRS
+    with amx_mode(kernels, "off"):  # k-pair tiles; float16 scales where only vector kernels run them
+        half = tiles.PAIRS_HALF if (kernels.avx512_bf16 or kernels.avx2_f16c) and not kernels.has_amx else tiles.PAIRS
         layouts = {name: tiles.pack(qw, lib=tile_lib).layout for name, qw in cases.items()}
         assert layouts == {"int4 g32": half, "int4 g128": half, "int4 g32, float32 scales": tiles.PAIRS,
                            "int4 g256": half, "int8 g32": tiles.PAIRS, "int8": tiles.PAIRS}

@@ -1,9 +1,10 @@
 """Float16 scales and offsets beside the k-pair tiles (tiles.PAIRS_HALF, layout 3 of
-csrc/quant_gemm_bf16.cpp): packed where only the AVX512-BF16 kernel runs the tiles (no AMX), for
-weights whose every scale and offset is a float16 value. They must give the bits of the same
-weight packed with float32 scales, at the in-register row blocks and the stored-tile ones, and
-take a sixth fewer bytes for 4-bit groups of 32. Where the CPU lacks AVX512-BF16 (or has AMX) the
-SIMDe-emulated build runs them, so every CI machine checks the layout."""
+csrc/quant_gemm_bf16.cpp): packed where the AVX512-BF16 or the AVX2 + F16C kernel runs the tiles
+(no AMX), for weights whose every scale and offset is a float16 value. They must give the bits of
+the same weight packed with float32 scales, at the in-register row blocks and the stored-tile
+ones, and take a sixth fewer bytes for 4-bit groups of 32. The SIMDe-emulated build runs them
+wherever the CPU lacks AVX512-BF16 (or has AMX), so every CI machine checks the AVX-512 kernel's
+reading of the layout; an AVX2 CPU checks its own as well."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from kvflow.quantization import methods, tiles
 from kvflow.quantization.qweight import QuantizedWeight
 
 
-@pytest.fixture(scope="module")
-def tile_lib(kernels):
-    """A library that packs PAIRS_HALF: the native one on AVX512-BF16 without AMX, else emulated."""
-    native = kernels.avx512_bf16 and not kernels.has_amx
-    return tiles._bind((kernels if native else cpu_kernels.load_emulated_avx512()).lib)
+@pytest.fixture(scope="module", params=["native", "emulated"])
+def tile_lib(kernels, request):
+    """A library that packs PAIRS_HALF: this CPU's own (AVX512-BF16 or AVX2 + F16C, without
+    AMX), and the emulated AVX-512 one where the CPU's own kernel is not AVX512-BF16."""
+    if request.param == "native":
+        lib = tiles._bind(kernels.lib)
+        if lib.kvflow_quant_tiles_layout(4, 32, 128, 1) != tiles.PAIRS_HALF:
+            pytest.skip("this CPU's tile kernel does not take float16 scales (AMX, or no AVX2 + F16C)")
+        return lib
+    if kernels.avx512_bf16 and not kernels.has_amx:
+        pytest.skip("the native library is the AVX-512 kernel itself")
+    return tiles._bind(cpu_kernels.load_emulated_avx512().lib)
 
 
 def _halved(qw: QuantizedWeight) -> QuantizedWeight:

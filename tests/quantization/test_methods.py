@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.quantization import methods
 from kvflow.quantization.config import QuantizationConfig
 from kvflow.quantization.methods import quantize_int4, quantize_int8
 from kvflow.quantization.qweight import cat_rows
@@ -43,6 +44,28 @@ def test_int4_reproduces_a_q4_1_grid_exactly():
     q[:, 0], q[:, 1] = 0, 15  # both ends present
     w = q.float() * d + m
     assert torch.equal(quantize_int4(w, 32).dequantize(), w)
+
+
+@pytest.mark.parametrize("chunk", [1, 200, 1000])
+def test_quantizing_by_row_slices_gives_the_whole_weights_values(monkeypatch, chunk):
+    """A large weight is quantized a slice of rows at a time (bounded temporaries at load): the
+    same quants, scales and offsets as one pass, and int4's float16-or-float32 choice still made
+    for the whole weight (row 5's span is under float16's least subnormal step: float32 for all)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 192, generator=g).to(torch.bfloat16)
+    flat = torch.randn(24, 192, generator=g)
+    flat[5] = 1.0 + torch.arange(192) * 2.0 ** -30
+    cases = [lambda: quantize_int8(w), lambda: quantize_int8(w, 32), lambda: quantize_int4(w, 32),
+             lambda: quantize_int4(w, 64), lambda: quantize_int4(flat, 32)]
+    whole = [case() for case in cases]
+    monkeypatch.setattr(methods, "_CHUNK_VALUES", chunk)
+    assert len(methods._row_chunks(w)) == -(-24 // max(1, chunk // 192))
+    for case, expected in zip(cases, whole):
+        got = case()
+        for field in ("qweight", "scales", "offsets"):
+            a, b = getattr(got, field), getattr(expected, field)
+            assert (a is None and b is None) or torch.equal(a, b), field
+    assert not torch.equal(whole[-1].scales, whole[-1].scales.half().float())  # float32 kept
 
 
 def test_shards_stack_along_outputs():

@@ -196,6 +196,23 @@ def test_silu_and_mul_saturates(dtype):
     torch.testing.assert_close(out.double(), expected.double(), rtol=0, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_avx2_gives_the_avx512_bits(kernels, dtype):
+    """Without AVX-512, SiLU·up runs 8 lanes at a time with exp_ref8, exp512's operations: the
+    same bits as the (emulated) AVX-512 kernel, saturated, zero, subnormal and NaN gates, tails
+    of 1-15 columns included."""
+    if kernels.avx512f:
+        pytest.skip("this CPU runs the AVX-512 loop itself")
+    emulated = cpu_kernels.load_emulated_avx512()
+    g = torch.Generator().manual_seed(7)
+    for inter in (8, 24, 61, 576):
+        gate_up = (4 * torch.randn(5, 2 * inter, generator=g)).to(dtype)
+        gate_up[0, :8] = torch.tensor([-1e4, -120.0, -88.5, -0.0, 0.0, 1e-40, float("nan"), 90.0])
+        got, expected = kernels.silu_and_mul(gate_up), emulated.silu_and_mul(gate_up)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(got.view(bits), expected.view(bits)), inter
+
+
 def test_silu_and_mul_3d_and_non_contiguous(spy):
     calls = spy("silu_and_mul")
     gate_up = torch.randn(2, 3, 80)

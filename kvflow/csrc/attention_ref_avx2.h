@@ -122,10 +122,7 @@ inline void pv_avx2(const float* scores, int64_t ld, int64_t rows, int64_t group
                     _mm_prefetch(reinterpret_cast<const char*>(vrows[t + kPvKeys]) + byte, _MM_HINT_T0);
             if constexpr (kBF16) {
                 float* dst = wide + (t - c0) * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 8) {
-                    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrows[t] + d));
-                    _mm256_store_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
-                }
+                for (int64_t d = 0; d < head_dim; d += 8) _mm256_store_ps(dst + d, load8(vrows[t] + d));
                 vf[t - c0] = dst;
             } else {
                 vf[t - c0] = vrows[t];

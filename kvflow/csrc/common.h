@@ -9,6 +9,9 @@
 #include <type_traits>
 
 #include <xmmintrin.h>
+#if defined(__AVX2__)
+#include <immintrin.h>  // load8
+#endif
 
 #include "isa.h"
 
@@ -219,6 +222,15 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+#if defined(__AVX2__)
+// load16 on 8 lanes, for the AVX2 kernels: 8 float32 values, or 8 bf16 widened exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 #endif
 

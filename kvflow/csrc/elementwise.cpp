@@ -41,7 +41,7 @@ inline void store16(typename Dt::T* dst, __m512 v) {
 }
 #elif defined(KVFLOW_REF_AVX2)
 // The same on 8 lanes for CPUs with AVX2 and FMA: float_to_bf16's rounding (NaN kept quiet) as
-// 32-bit lanes holding the bf16 bits, Dt::round, x loaded, and Dt::store.
+// 32-bit lanes holding the bf16 bits, Dt::round and Dt::store (kvflow::load8 loads).
 inline __m256i bf16_bits8(__m256 x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
@@ -55,11 +55,6 @@ template <typename Dt>
 inline __m256 round8(__m256 v) {
     if constexpr (std::is_same_v<Dt, BF16>) return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
     return v;
-}
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 template <typename Dt>
 inline void store8(typename Dt::T* dst, __m256 v) {
@@ -133,10 +128,10 @@ void silu_and_mul(const typename Dt::T* gate_up, typename Dt::T* out, int64_t ro
         // same columns left to the scalar tail (those past a multiple of 16). With the scalar
         // expf for every column, SiLU took 6 % of W-offline's prefill on an AVX2 CPU.
         for (const int64_t vector_end = inter / 16 * 16; i < vector_end; i += 8) {
-            const __m256 g = load8(gate + i);
+            const __m256 g = kvflow::load8(gate + i);
             const __m256 silu = _mm256_div_ps(
                 g, _mm256_add_ps(_mm256_set1_ps(1.f), kvflow::ref::exp_ref8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            store8<Dt>(dst + i, _mm256_mul_ps(round8<Dt>(silu), load8(up + i)));
+            store8<Dt>(dst + i, _mm256_mul_ps(round8<Dt>(silu), kvflow::load8(up + i)));
         }
 #endif
         for (; i < inter; ++i) {

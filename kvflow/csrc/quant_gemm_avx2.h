@@ -113,9 +113,8 @@ inline float avx2_group_sum(const uint16_t* x, int64_t group) {
     if (group % 16 == 0) {
         __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
         for (int64_t i = 0; i < group; i += 16) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-            lo = _mm256_add_ps(lo, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16)));
-            hi = _mm256_add_ps(hi, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16)));
+            lo = _mm256_add_ps(lo, load8(x + i));
+            hi = _mm256_add_ps(hi, load8(x + i + 8));
         }
         _mm256_storeu_ps(lane, lo);
         _mm256_storeu_ps(lane + 8, hi);

@@ -30,7 +30,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
     n, k = weight.shape
     group = group_size or k
     q = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, k // group)
+    scales = torch.empty(n, k // group, dtype=torch.float32)
     for rows in _row_chunks(weight):
         w = weight[rows].detach().float().view(-1, k // group, group)
         s = w.abs().amax(dim=-1) / 127.0
@@ -52,7 +52,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     spanning under ~4e-7 that is not constant) or a value over 65,504 keeps float32's."""
     n, k = weight.shape
     groups = k // group_size
-    low, high = torch.empty(n, groups), torch.empty(n, groups)
+    low, high = torch.empty(n, groups, dtype=torch.float32), torch.empty(n, groups, dtype=torch.float32)
     for rows in _row_chunks(weight):
         w = weight[rows].detach().float().view(-1, groups, group_size)
         low[rows], high[rows] = w.amin(dim=-1), w.amax(dim=-1)

@@ -102,3 +102,15 @@ def test_defaults():
     assert QuantizationConfig.parse(None) is None and QuantizationConfig.parse("none") is None
     with pytest.raises(ValueError, match="layer mlp.down_proj has 160 inputs, which are not whole groups of 64"):
         QuantizationConfig.parse("int4", 64).check_layer("mlp.down_proj", 160)
+
+
+def test_scales_are_float32_whatever_the_default_dtype():
+    """The loader builds models under a bf16 default dtype; quantizing never inherits it."""
+    w = torch.randn(8, 64)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        int8, int4 = quantize_int8(w, 32), quantize_int4(w, 32)
+    finally:
+        torch.set_default_dtype(previous)
+    assert int8.scales.dtype == int4.scales.dtype == int4.offsets.dtype == torch.float32

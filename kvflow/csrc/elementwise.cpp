@@ -68,6 +68,32 @@ inline void store8(typename Dt::T* dst, __m256 v) {
 }
 #endif
 
+// The sum of a row's squares in float32. On AVX2 the compiler left `omp simd` scalar (its cost
+// model for Zen 1), a chain of dependent adds as long as the row; here two 8-lane sums, folded in
+// a fixed order, so a row's result never depends on the batch around it.
+template <typename Dt>
+inline float sum_of_squares(const typename Dt::T* src, int64_t hidden) {
+    float sum = 0.f;
+    int64_t i = 0;
+#if !defined(KVFLOW_AVX512F) && defined(KVFLOW_REF_AVX2)
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (; i + 16 <= hidden; i += 16) {
+        const __m256 a = kvflow::load8(src + i), b = kvflow::load8(src + i + 8);
+        even = _mm256_fmadd_ps(a, a, even);
+        odd = _mm256_fmadd_ps(b, b, odd);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(even, odd));
+    for (const float lane : lanes) sum += lane;
+#endif
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = i; j < hidden; ++j) {
+        const float v = Dt::load(src[j]);
+        sum += v * v;
+    }
+    return sum;
+}
+
 // residual (optional, in place) += x; out = weight * round(norm(residual)).
 template <typename Dt>
 void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt::T* weight, typename Dt::T* out,
@@ -81,23 +107,23 @@ void add_rms_norm(typename Dt::T* x, typename Dt::T* residual, const typename Dt
             int64_t i = 0;
 #if defined(KVFLOW_AVX512F)
             for (; i + 16 <= hidden; i += 16) store16<Dt>(src + i, _mm512_add_ps(kvflow::load16(src + i), kvflow::load16(delta + i)));
+#elif defined(KVFLOW_REF_AVX2)
+            for (; i + 8 <= hidden; i += 8) store8<Dt>(src + i, _mm256_add_ps(kvflow::load8(src + i), kvflow::load8(delta + i)));
 #endif
 #pragma omp simd
             for (int64_t j = i; j < hidden; ++j) src[j] = Dt::store(Dt::load(src[j]) + Dt::load(delta[j]));
         }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < hidden; ++i) {
-            const float v = Dt::load(src[i]);
-            sum += v * v;
-        }
-        const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+        const float inv = 1.f / std::sqrt(sum_of_squares<Dt>(src, hidden) / static_cast<float>(hidden) + eps);
         T* dst = out + r * hidden;
         int64_t i = 0;
 #if defined(KVFLOW_AVX512F)
         for (; i + 16 <= hidden; i += 16)
             store16<Dt>(dst + i, _mm512_mul_ps(kvflow::load16(weight + i),
                                                round16<Dt>(_mm512_mul_ps(kvflow::load16(src + i), _mm512_set1_ps(inv)))));
+#elif defined(KVFLOW_REF_AVX2)
+        for (; i + 8 <= hidden; i += 8)
+            store8<Dt>(dst + i, _mm256_mul_ps(kvflow::load8(weight + i),
+                                              round8<Dt>(_mm256_mul_ps(kvflow::load8(src + i), _mm256_set1_ps(inv)))));
 #endif
 #pragma omp simd
         for (int64_t j = i; j < hidden; ++j) dst[j] = Dt::store(Dt::load(weight[j]) * Dt::round(Dt::load(src[j]) * inv));
@@ -158,14 +184,28 @@ void rotary(typename Dt::T* q, int64_t q_row_stride, int64_t q_heads, typename D
             const int64_t heads = which == 0 ? q_heads : k_heads;
             for (int64_t h = 0; h < heads; ++h) {
                 T* x = base + h * head_dim;
+                int64_t i = 0;
+#if !defined(KVFLOW_AVX512F) && defined(KVFLOW_REF_AVX2)
+                // The loop below on 8 lanes, each product rounded before the sum as there (no
+                // FMA): the same bits. GCC left that loop scalar on AVX2 CPUs.
+                for (; i + 8 <= half; i += 8) {
+                    const __m256 x1 = kvflow::load8(x + i), x2 = kvflow::load8(x + i + half);
+                    const __m256 c1 = round8<Dt>(_mm256_loadu_ps(cos + i)), s1 = round8<Dt>(_mm256_loadu_ps(sin + i));
+                    const __m256 c2 = round8<Dt>(_mm256_loadu_ps(cos + i + half));
+                    const __m256 s2 = round8<Dt>(_mm256_loadu_ps(sin + i + half));
+                    const __m256 minus_x2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.f));
+                    store8<Dt>(x + i, _mm256_add_ps(round8<Dt>(_mm256_mul_ps(x1, c1)), round8<Dt>(_mm256_mul_ps(minus_x2, s1))));
+                    store8<Dt>(x + i + half, _mm256_add_ps(round8<Dt>(_mm256_mul_ps(x2, c2)), round8<Dt>(_mm256_mul_ps(x1, s2))));
+                }
+#endif
 #pragma omp simd
-                for (int64_t i = 0; i < half; ++i) {
-                    const float x1 = Dt::load(x[i]), x2 = Dt::load(x[i + half]);
-                    const float c1 = Dt::round(cos[i]), s1 = Dt::round(sin[i]);
-                    const float c2 = Dt::round(cos[i + half]), s2 = Dt::round(sin[i + half]);
+                for (int64_t j = i; j < half; ++j) {
+                    const float x1 = Dt::load(x[j]), x2 = Dt::load(x[j + half]);
+                    const float c1 = Dt::round(cos[j]), s1 = Dt::round(sin[j]);
+                    const float c2 = Dt::round(cos[j + half]), s2 = Dt::round(sin[j + half]);
                     // Reference order: round(x * cos) + round(rotate_half(x) * sin), rounded.
-                    x[i] = Dt::store(Dt::round(x1 * c1) + Dt::round(-x2 * s1));
-                    x[i + half] = Dt::store(Dt::round(x2 * c2) + Dt::round(x1 * s2));
+                    x[j] = Dt::store(Dt::round(x1 * c1) + Dt::round(-x2 * s1));
+                    x[j + half] = Dt::store(Dt::round(x2 * c2) + Dt::round(x1 * s2));
                 }
             }
         }

@@ -241,12 +241,13 @@ def mixed_positions(seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024}],
                          ids=["default", "llama3"])
-def test_rotary_kernel_matches_torch_path(dtype, scaling, spy, no_kernels):
-    rotary = RotaryEmbedding(HEAD_DIM, MAX_POS, 10000.0, scaling).to(dtype)  # cos/sin tables cast too
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 24])  # 24: half a head is 8 lanes and a scalar tail
+def test_rotary_kernel_matches_torch_path(dtype, scaling, head_dim, spy, no_kernels):
+    rotary = RotaryEmbedding(head_dim, MAX_POS, 10000.0, scaling).to(dtype)  # cos/sin tables cast too
     positions = mixed_positions()
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(len(positions), NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(len(positions), NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(len(positions), NUM_HEADS, head_dim, generator=g).to(dtype)
+    k = torch.randn(len(positions), NUM_KV_HEADS, head_dim, generator=g).to(dtype)
     calls = spy("rotary_")
     q_kernel, k_kernel = rotary(positions, q.clone(), k.clone())
     assert calls, "RotaryEmbedding did not take the kernel"

@@ -9,6 +9,7 @@ not need, and still leave all dequantization to `gguf.quants.dequantize`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import mmap
@@ -365,12 +366,23 @@ def load_gguf_tokenizer(path: str) -> Any:
 
     `PreTrainedTokenizerFast` is used directly: `AutoTokenizer` would first build a whole
     `AutoConfig` from the file (another full metadata parse, ~2-4 s) only to pick a class.
+    Each call returns a tokenizer of its own (a copy of the first one built from this file, as
+    it is on disk now: 0.2 s instead of 1.4 s for the default model's), so no caller sees
+    another's changes to it.
     """
-    from transformers import PreTrainedTokenizerFast
-
     header = _header(path)  # validates the file with a clear error before transformers reads it
     _architecture(header, path)
     path = os.path.abspath(path)
+    stat = os.stat(path)
+    return copy.deepcopy(_built_tokenizer(path, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _built_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
+    """The tokenizer transformers converts from the GGUF at `path` (mtime and size: its version)."""
+    from transformers import PreTrainedTokenizerFast
+
+    header = _header(path)
     try:
         tok = PreTrainedTokenizerFast.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True

@@ -31,21 +31,9 @@ def smollm2() -> str:
 
 
 @pytest.fixture(scope="module")
-def reference_state_dict(smollm2: str) -> dict[str, torch.Tensor]:
-    """transformers' GGUF loader: from_pretrained when accelerate exists, else the same loader it calls."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder, name = os.path.split(smollm2)
-    if importlib.util.find_spec("accelerate") is not None:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        return dict(model.state_dict())
-    # from_pretrained insists on accelerate for GGUF; its loading path for llama is this call.
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    cfg = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return load_gguf_checkpoint(smollm2, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)["tensors"]
+def reference_state_dict(hf_smollm2) -> dict[str, torch.Tensor]:
+    """transformers' GGUF loader's weights: the session's reference model (conftest), loaded once."""
+    return dict(hf_smollm2.state_dict())
 
 
 @pytest.fixture(scope="module")

@@ -68,9 +68,9 @@ inline void store8(typename Dt::T* dst, __m256 v) {
 }
 #endif
 
-// The sum of a row's squares in float32. On AVX2 the compiler left `omp simd` scalar (its cost
-// model for Zen 1), a chain of dependent adds as long as the row; here two 8-lane sums, folded in
-// a fixed order, so a row's result never depends on the batch around it.
+// The sum of a row's squares in float32. On Zen 1 GCC kept the `omp simd` reduction one scalar
+// chain of dependent adds as long as the row; on AVX2 here it is two 8-lane sums, folded in a
+// fixed order, so a row's result never depends on the batch around it.
 template <typename Dt>
 inline float sum_of_squares(const typename Dt::T* src, int64_t hidden) {
     float sum = 0.f;
@@ -187,7 +187,7 @@ void rotary(typename Dt::T* q, int64_t q_row_stride, int64_t q_heads, typename D
                 int64_t i = 0;
 #if !defined(KVFLOW_AVX512F) && defined(KVFLOW_REF_AVX2)
                 // The loop below on 8 lanes, each product rounded before the sum as there (no
-                // FMA): the same bits. GCC left that loop scalar on AVX2 CPUs.
+                // FMA): the same bits. GCC's cost model for Zen 1 gave that loop 4 lanes at most.
                 for (; i + 8 <= half; i += 8) {
                     const __m256 x1 = kvflow::load8(x + i), x2 = kvflow::load8(x + i + half);
                     const __m256 c1 = round8<Dt>(_mm256_loadu_ps(cos + i)), s1 = round8<Dt>(_mm256_loadu_ps(sin + i));

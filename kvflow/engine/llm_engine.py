@@ -40,6 +40,7 @@ from kvflow.loader import load_model_config, resolve_model_path, resolve_quantiz
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import CompletionText
+from kvflow.sampling.logits_processors import bad_words_token_ids
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured_output.manager import StructuredOutputManager
@@ -151,6 +152,8 @@ class LLMEngine:
                 f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
+        params.check_token_ids(vocab)
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.prompt_logprobs is not None and self.distributed:
             raise ValueError(f"prompt_logprobs: not supported with the distributed executor ({self.parallel.describe()}) yet")
         arrival_time = arrival_time or time.time()
@@ -158,7 +161,8 @@ class LLMEngine:
             self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:
-            seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text)
+            seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text,
+                           bad_words_token_ids=bad_words)
             if p.structured_outputs is not None:  # every sample walks the grammar on its own
                 seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
             # detokenize=False (the engine core of a split server): the API process makes the text.

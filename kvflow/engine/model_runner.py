@@ -227,8 +227,8 @@ class ModelRunner:
         for i in spec:
             seq, d = items[i].seq, items[i].spec_token_ids
             drafts.append(d)
-            # Only penalties and an unmet min_tokens read the output; otherwise no per-row copies.
-            history = seq.params.has_penalties or seq.params.min_tokens > len(seq.output_token_ids)
+            # Only penalties, bad_words and an unmet min_tokens read the output; otherwise no per-row copies.
+            history = seq.params.reads_output or seq.params.min_tokens > len(seq.output_token_ids)
             for j in range(len(d) + 1):
                 seqs.append(seq)
                 outputs.append(seq.output_token_ids + d[:j] if history else seq.output_token_ids)
@@ -247,12 +247,13 @@ class ModelRunner:
             generators=[s.generator for s in seqs],
             eos_token_ids=self.eos_token_ids,
             vocab_size=vocab_size,
+            bad_words_token_ids=[s.bad_words_token_ids for s in seqs],
         )
 
 
 def _bare_greedy(seq: Sequence) -> bool:
-    """Greedy with nothing to apply before the argmax: no penalties, no min_tokens still due,
-    no logprobs, no grammar."""
+    """Greedy with nothing to apply before the argmax: no penalties or logit edits, no min_tokens
+    still due, no logprobs, no grammar."""
     p = seq.params
-    return (p.is_greedy and not p.has_penalties and p.logprobs is None and seq.grammar_state is None
+    return (p.is_greedy and not p.edits_logits and p.logprobs is None and seq.grammar_state is None
             and p.min_tokens <= len(seq.output_token_ids))

@@ -66,6 +66,9 @@ class Sequence:
     # Structured output: the grammar state (structured_output.GrammarState) the engine advances
     # with every kept token and the runner asks for the next allowed tokens; None when unconstrained.
     grammar_state: Any = None
+    # SamplingParams.bad_words as token ids, spelled by the engine's tokenizer at admission
+    # (sampling/logits_processors.py bans each word's last token after its others).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

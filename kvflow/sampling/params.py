@@ -84,6 +84,14 @@ class SamplingParams:
     # False: the engine makes token ids only, no text (vLLM's field). The split server's engine core
     # runs so: its API process detokenizes and matches the stop strings (entrypoints/core/assembler.py).
     detokenize: bool = True
+    # The request's own logit edits, vLLM's fields (logit_bias is also OpenAI's), applied by
+    # sampling/logits_processors.py. logit_bias: token id -> bias in [-100, 100] added to its
+    # logit (JSON's string keys are taken too); allowed_token_ids: only these may be sampled;
+    # bad_words: words the output may not contain (the engine spells each with and without a
+    # leading space and bans a word's last token once the output ends with its other tokens).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
         # __new__ sees the constructor's own arguments, which the generated __init__ does not keep.
@@ -163,6 +171,14 @@ class SamplingParams:
             if unknown:
                 raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.logit_bias, Mapping):  # {"15339": -100} as JSON spells a token id
+            self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
 
     def _validate(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -217,6 +233,37 @@ class SamplingParams:
                                  f"got {type(self.structured_outputs).__name__}")
             if self.min_tokens:  # the grammar decides where the output ends; a ban on EOS could leave no token
                 raise ValueError(f"min_tokens must be 0 with structured_outputs, got {self.min_tokens}")
+        self._validate_logit_edits()
+
+    def _validate_logit_edits(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must be a dict of token id to bias or None, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids or None, "
+                                 f"got {self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"allowed_token_ids must be non-negative ints, got {t!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list):
+                raise ValueError(f"bad_words must be a list of str or None, got {self.bad_words!r}")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must be non-blank str, got {w!r}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse token ids the model's logits do not have: the sampler would index past them."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            outside = sorted({t for t in ids if t >= vocab_size})
+            if outside:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}) for this model, got {outside[:5]}")
 
     @property
     def is_greedy(self) -> bool:
@@ -232,6 +279,18 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits change before the argmax for reasons of this request's own (penalties,
+        logit_bias, allowed_token_ids, bad_words): a greedy row then needs more than a bare argmax."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether those edits depend on the tokens generated so far (penalties, bad_words)."""
+        return self.has_penalties or bool(self.bad_words)
+
     def __repr__(self) -> str:
         """Show only what differs from the defaults, so logs stay one short line."""
         default = _DEFAULTS
@@ -241,6 +300,13 @@ class SamplingParams:
             if getattr(self, f.name) != getattr(default, f.name)
         ]
         return f"SamplingParams({', '.join(parts)})"
+
+
+def _token_id_key(key: Any) -> Any:
+    """A logit_bias key as a token id: JSON objects key by string, so "15339" means 15339."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return key
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

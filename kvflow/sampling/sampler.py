@@ -5,7 +5,8 @@ into batch tensors once, and records which stages are needed at all, so `Sampler
 whatever no row asked for. A batch of plain greedy requests (the common benchmark and
 eval case) costs a single argmax.
 
-Stage order follows vLLM: the structured-output bitmask (`bitmask.py`), min_tokens mask,
+Stage order follows vLLM: the structured-output bitmask (`bitmask.py`), the request's own
+logit edits (`logits_processors.py`: allowed_token_ids, bad_words, min_tokens, logit_bias),
 penalties, then greedy rows take the argmax and
 random rows go through temperature, top-k, top-p and min-p before one draw. Random rows are
 sampled with the exponential race (equivalently Gumbel-max): token = argmax(p_i / q_i) with
@@ -23,6 +24,7 @@ import torch
 
 from kvflow.layers import cpu_kernels
 from kvflow.sampling.bitmask import apply_token_bitmask
+from kvflow.sampling.logits_processors import LogitsEdits
 from kvflow.sampling.params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -48,8 +50,8 @@ class SamplingMetadata:
 
     num_rows: int
     vocab_size: int
-    # True only when every row is greedy and nothing else (penalties, min_tokens masking,
-    # logprobs) is needed: the sampler then does a bare argmax.
+    # True only when every row is greedy and nothing else (penalties, logit edits, logprobs) is
+    # needed: the sampler then does a bare argmax.
     all_greedy: bool
     num_logprobs: list[int | None] = field(default_factory=list)
     random_rows: torch.Tensor | None = None  # long [R]; None when no row is random
@@ -64,7 +66,7 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None = None  # float [N]
     frequency_penalty: torch.Tensor | None = None  # float [N]
     output_counts: torch.Tensor | None = None  # float [N, V]: occurrences in output
-    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to ban
+    edits: LogitsEdits | None = None  # allowed_token_ids, bad_words, min_tokens, logit_bias
     # Structured output: (rows [C] long, bitmask [C, ceil(V/32)] int32) of the constrained rows.
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -80,10 +82,12 @@ class SamplingMetadata:
         *,
         device: torch.device | str = "cpu",
         token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bad_words_token_ids: list[list[list[int]]] | None = None,
     ) -> "SamplingMetadata":
         """Precompute everything this step needs; tensors that no row needs are never built.
 
         `token_bitmask` (rows, packed allowed tokens) restricts structured-output rows; see `bitmask.py`.
+        `bad_words_token_ids[i]` are row i's banned words as token ids (`logits_processors.bad_words_token_ids`).
         """
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
@@ -93,19 +97,14 @@ class SamplingMetadata:
         num_logprobs = [p.logprobs for p in params]
         random_idx = [i for i, p in enumerate(params) if not p.is_greedy]
         penalised = any(p.has_penalties for p in params)
-        ban_rows, ban_cols = _min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size)
+        edits = LogitsEdits.build(params, output_token_ids, eos_token_ids, vocab_size, bad_words_token_ids, device)
         wants_logprobs = any(k is not None for k in num_logprobs)
-        if not random_idx and not penalised and not ban_rows and not wants_logprobs:
+        if not random_idx and not penalised and edits is None and not wants_logprobs:
             return cls(num_rows=n, vocab_size=vocab_size, all_greedy=True, num_logprobs=num_logprobs,
                        token_bitmask=token_bitmask)
 
         meta = cls(num_rows=n, vocab_size=vocab_size, all_greedy=False, num_logprobs=num_logprobs,
-                   token_bitmask=token_bitmask)
-        if ban_rows:
-            meta.min_tokens_index = (
-                torch.tensor(ban_rows, dtype=torch.long, device=device),
-                torch.tensor(ban_cols, dtype=torch.long, device=device),
-            )
+                   token_bitmask=token_bitmask, edits=edits)
         if penalised:
             meta._build_penalties(params, prompt_token_ids, output_token_ids, device)
         if random_idx:
@@ -172,28 +171,6 @@ def _flatten(
     return rows[keep].to(device), cols[keep].to(device)
 
 
-def _min_tokens_bans(
-    params: list[SamplingParams],
-    output_token_ids: list[list[int]],
-    eos_token_ids: list[int],
-    vocab_size: int,
-) -> tuple[list[int], list[int]]:
-    """Row/token pairs to set to -inf because the row has not yet produced min_tokens."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, p in enumerate(params):
-        if len(output_token_ids[i]) >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids or [])
-        if not p.ignore_eos:
-            banned.update(eos_token_ids)
-        for t in sorted(banned):
-            if 0 <= t < vocab_size:
-                rows.append(i)
-                cols.append(t)
-    return rows, cols
-
-
 @dataclass
 class SamplerOutput:
     """One sampled token per row, plus logprobs for rows that asked for them.
@@ -210,8 +187,8 @@ class SamplerOutput:
 class Sampler:
     """Picks the next token of every row of a [N, V] float32 logits batch.
 
-    Logprobs are taken from log_softmax of the logits after the grammar bitmask, the min_tokens
-    mask and the penalties but before temperature and top-k/top-p/min-p, as vLLM's default
+    Logprobs are taken from log_softmax of the logits after the grammar bitmask, the request's
+    logit edits and the penalties but before temperature and top-k/top-p/min-p, as vLLM's default
     ("raw" model distribution as seen by this request): they then describe the model's
     belief, comparable across requests whatever their sampling knobs, and never report
     -inf for a token merely because a truncation filter dropped it.
@@ -226,7 +203,7 @@ class Sampler:
                 logprobs=[None] * meta.num_rows,
                 ranks=[None] * meta.num_rows,
             )
-        logits = apply_penalties(logits, meta)
+        logits = apply_logits_processors(logits, meta)
 
         if meta.random_rows is None:
             sampled = greedy(logits)
@@ -241,16 +218,17 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The request's view of the model: float32 logits after the min_tokens ban and the penalties.
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The request's view of the model: float32 logits after its own edits (allowed_token_ids,
+    bad_words, min_tokens, logit_bias) and the penalties.
 
     Logprobs are read here and greedy rows take their argmax here; random rows go on
     through `filter_logits`. HF-style repetition penalty over prompt+output, OpenAI
     presence/frequency over output.
     """
     logits = logits.to(torch.float32)
-    if meta.min_tokens_index is not None:
-        logits = logits.index_put(meta.min_tokens_index, torch.tensor(_NEG_INF, device=logits.device))
+    if meta.edits is not None:
+        logits = meta.edits.apply(logits)
     if meta.repetition_penalty is not None and meta.seen_mask is not None:
         r = meta.repetition_penalty.unsqueeze(1)
         penalised = torch.where(logits > 0, logits / r, logits * r)

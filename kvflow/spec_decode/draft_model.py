@@ -44,7 +44,7 @@ from kvflow.layers.attention import AttentionBackend, AttentionMetadata
 from kvflow.loader import load_model, load_model_config, resolve_model_path
 from kvflow.quantization.config import QuantizationConfig
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
-from kvflow.sampling.sampler import SamplingMetadata, apply_penalties, exponential_race, filter_logits, greedy
+from kvflow.sampling.sampler import SamplingMetadata, apply_logits_processors, exponential_race, filter_logits, greedy
 
 if TYPE_CHECKING:
     from kvflow.engine.sequence import Sequence
@@ -228,15 +228,16 @@ class DraftModelProposer:
     def _sample(self, logits: torch.Tensor, seqs: list["Sequence"], drafts: list[list[int]],
                 generators: list[torch.Generator | None]):
         """Each row's guess, and for sampled requests the distribution it was drawn from."""
-        if all(s.params.is_greedy and not s.params.has_penalties and s.params.min_tokens <= len(s.output_token_ids)
+        if all(s.params.is_greedy and not s.params.edits_logits and s.params.min_tokens <= len(s.output_token_ids)
                + len(d) for s, d in zip(seqs, drafts)):
             return greedy(logits).tolist(), None  # what the metadata below comes to for such rows
         meta = SamplingMetadata.build(
             params=[s.params for s in seqs], prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids + d if s.params.has_penalties or s.params.min_tokens > len(
+            output_token_ids=[s.output_token_ids + d if s.params.reads_output or s.params.min_tokens > len(
                 s.output_token_ids) else s.output_token_ids for s, d in zip(seqs, drafts)],
-            generators=generators, eos_token_ids=self.eos_token_ids, vocab_size=logits.shape[-1])
-        scores = apply_penalties(logits, meta)
+            generators=generators, eos_token_ids=self.eos_token_ids, vocab_size=logits.shape[-1],
+            bad_words_token_ids=[s.bad_words_token_ids for s in seqs])
+        scores = apply_logits_processors(logits, meta)
         tokens = greedy(scores).tolist()
         if meta.random_rows is None:
             return tokens, None

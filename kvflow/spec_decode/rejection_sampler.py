@@ -32,7 +32,7 @@ import torch
 
 from kvflow.sampling.sampler import (
     SamplingMetadata,
-    apply_penalties,
+    apply_logits_processors,
     exponential_race,
     filter_logits,
     gather_logprobs,
@@ -68,7 +68,7 @@ class RejectionSampler:
         if logits.shape[0] != num_rows or meta.num_rows != num_rows:
             raise ValueError(f"rejection sampler: {logits.shape[0]} logits rows and {meta.num_rows} metadata rows "
                              f"for {num_rows} (drafts + 1 per sequence)")
-        scores = apply_penalties(logits, meta)
+        scores = apply_logits_processors(logits, meta)
         targets = greedy(scores).tolist()
         random_pos: dict[int, int] = {}
         filtered = probs = None

@@ -150,9 +150,11 @@ def test_wire_errors_and_params_cross_whole():
     assert isinstance(overloaded, EngineOverloadedError) and overloaded.max_waiting == 4 and "max_waiting=4" in str(overloaded)
     so = wire.decode_error(*wire.encode_error(StructuredOutputError("bad", "regex")))
     assert isinstance(so, StructuredOutputError) and so.field == "regex"
-    params = SamplingParams(temperature=0.5, stop=["a"], seed=2**64 - 1, max_tokens=3)
+    params = SamplingParams(temperature=0.5, stop=["a"], seed=2**64 - 1, max_tokens=3, logit_bias={"7": -1.5},
+                            allowed_token_ids=[7, 9], bad_words=["no"])
     back = wire.decode_params(wire.unpack(wire.pack((wire.encode_params(params),)))[0])
     assert (back.stop, back.seed, back.temperature) == (["a"], 2**64 - 1, 0.5)
+    assert (back.logit_bias, back.allowed_token_ids, back.bad_words) == ({7: -1.5}, [7, 9], ["no"])
 
 
 def test_killed_core_fails_requests_and_health(split_server):

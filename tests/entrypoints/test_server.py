@@ -254,6 +254,11 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"198": 150}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "bad_words": [""]}, "bad_words"),
 ]
 
 
@@ -267,6 +272,20 @@ def test_bad_requests(live_server, http, path, body, param):
     assert err["type"] == "invalid_request_error"
     if body != "{not json" and body.get("max_tokens") == 5000:
         assert "2048" in err["message"] and "5000" in err["message"]
+
+
+def test_logit_bias_and_bad_words_as_clients_send_them(live_server, client):
+    """OpenAI's logit_bias (string token ids in JSON) and vLLM's bad_words through the official client."""
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert plain.choices[0].text.startswith(" Paris")
+    paris = live_server.engine.engine.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    biased = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       logit_bias={str(paris): -100})
+    banned = client.chat.completions.create(model=MODEL_NAME, max_tokens=8, temperature=0,
+                                            messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                            extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in biased.choices[0].text and "Paris" not in banned.choices[0].message.content
+    assert live_server.wait_pool_free()
 
 
 def test_auth_model_and_overload_errors(live_server, client, http):

@@ -66,6 +66,16 @@ def test_normalisation() -> None:
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"dog": 1}}, "logit_bias"),
+        ({"logit_bias": [5, 1]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1.5]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": [3]}, "bad_words"),
     ],
 )
 def test_validation_error_names_parameter(kwargs: dict, name: str) -> None:
@@ -73,6 +83,16 @@ def test_validation_error_names_parameter(kwargs: dict, name: str) -> None:
         SamplingParams(**kwargs)
     # "top_p" must not be reported as "top_k" etc.: the first word is exactly the field.
     assert str(info.value).split(" ")[0] == name
+
+
+def test_logit_edits_normalised() -> None:
+    p = SamplingParams(logit_bias={"15339": -100, 7: 2.5}, allowed_token_ids=(4, 5), bad_words="hello")
+    assert p.logit_bias == {15339: -100, 7: 2.5}
+    assert p.allowed_token_ids == [4, 5] and p.bad_words == ["hello"]
+    assert p.edits_logits and p.reads_output
+    assert SamplingParams(logit_bias={1: 0.0}).edits_logits and not SamplingParams(logit_bias={1: 0.0}).reads_output
+    assert not SamplingParams(logit_bias={}).edits_logits
+    assert not SamplingParams().edits_logits and not SamplingParams().reads_output
 
 
 def test_n_range() -> None:

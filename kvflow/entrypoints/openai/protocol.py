@@ -49,6 +49,9 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -132,6 +135,9 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_output_params(),
+            logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             **{k: v for k, v in chosen.items() if v is not None},
         )
 

@@ -4,7 +4,8 @@ The router never tokenizes or generates: it reads a request's JSON only to find 
 (`routing.prompt_key`), lets the policy (`routing.CacheAwarePolicy` by default) pick the
 instance most likely to hold that prompt's prefix in its KV cache, and forwards the body as it
 came, streaming the answer back byte for byte (SSE included). A client that hangs up closes the
-upstream connection, so the instance aborts the request and frees its blocks.
+upstream connection, so the instance aborts the request and frees its blocks. /v1/models,
+/tokenize and /detokenize go to any healthy instance: all of them answer those alike.
 
 Failures: an instance that refuses the connection is marked down and the request is retried on
 another one (nothing was sent, so it is safe); an instance that dies mid-answer ends a stream
@@ -211,10 +212,16 @@ class Router:
 
         return _ClosingStreamingResponse(body(), status_code=200, headers=passed)
 
-    async def get_any(self, path: str) -> Response:
+    async def to_any(self, path: str, raw: Request | None = None) -> Response:
+        """The first healthy instance's answer to a request that needs no routing: a GET, or
+        `raw`'s POST (the tokenizer's routes, which every instance answers alike)."""
         for inst in self.healthy():
             try:
-                r = await self.client.get(inst.url + path)
+                if raw is None:
+                    r = await self.client.get(inst.url + path)
+                else:
+                    headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
+                    r = await self.client.post(inst.url + path, content=await raw.body(), headers=headers)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
@@ -310,7 +317,15 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await router.get_any("/v1/models")
+        return await router.to_any("/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await router.to_any("/tokenize", raw)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await router.to_any("/detokenize", raw)
 
     @app.get("/health")
     async def health() -> Response:

@@ -116,6 +116,9 @@ def test_answers_and_streams_pass_through(cluster):
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == direct
     assert http.get("/v1/models").json()["data"][0]["id"] == NAME
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        via, direct = http.post(path, json=body), httpx.post(procs[1][1] + path, json=body)
+        assert (via.status_code, via.json()) == (direct.status_code, direct.json())  # no tokenizer here: a 400
     # A client that leaves mid-stream: the router closes the upstream, the instance aborts and frees.
     body = {"model": NAME, "prompt": prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:

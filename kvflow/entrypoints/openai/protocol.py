@@ -9,7 +9,7 @@ that the JSON shape (including the `null`s clients key on) is defined in one pla
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -49,9 +49,10 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
-    allowed_token_ids: list[int] | None = None  # vLLM's
-    bad_words: list[str] | None = None  # vLLM's
+    # OpenAI's: token id (a string of digits) -> bias; vLLM's allowed_token_ids and bad_words.
+    logit_bias: dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
 
 `build_app` wires one engine to one app: /v1/models, /v1/completions, /v1/chat/completions
-(JSON or SSE streaming in OpenAI's chunk format), /health, /metrics and /version. Every error
+(JSON or SSE streaming in OpenAI's chunk format), /tokenize and /detokenize (vLLM's),
+/health, /metrics and /version. Every error
 leaves in OpenAI's shape {"error": {message, type, param, code}} with the status an OpenAI
 client expects, so SDK exception classes map one to one. A request whose client went away
 is aborted in the engine (its KV blocks freed before the next step): streams notice on the
@@ -34,6 +35,8 @@ from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimi
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response  # noqa: F401 (TextStreamer: re-exported)
 from kvflow.entrypoints.openai.structured import name_field
+from kvflow.entrypoints.openai.tokenization import ROUTES as TOKENIZATION_ROUTES
+from kvflow.entrypoints.openai.tokenization import register_tokenization
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.backend import StructuredOutputError
@@ -43,13 +46,16 @@ logger = logging.getLogger("kvflow")
 
 
 class _APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware): checks /v1 keys before any parsing, leaves streams alone."""
+    """Plain ASGI (not BaseHTTPMiddleware): checks the key of /v1 and the tokenizer's routes before
+    any parsing, leaves streams alone."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in TOKENIZATION_ROUTES) \
+                and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -384,5 +390,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return Response(json.dumps(info), media_type="application/json") if info else error_response(
             404, "this instance has no --kv-transfer-config", code="kv_transfer_disabled")
 
+    register_tokenization(app, server)
     register_dashboard(app, engine, metrics, served_model_name, api_key)
     return app

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Callable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvflow.entrypoints.openai.structured import StructuredOutputFields
+from kvflow.entrypoints.openai.tool_calls import DeltaToolCall, ToolCall, ToolFields, template_message_tool_calls
 from kvflow.sampling.params import MAX_LOGPROBS, SamplingParams
+from kvflow.structured_output.params import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -163,6 +165,7 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
 
     def to_template_dict(self) -> dict[str, Any]:
         """The dict a chat template expects: text parts joined, `developer` read as `system`."""
@@ -174,10 +177,12 @@ class ChatMessage(OpenAIModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = template_message_tool_calls(self.tool_calls)
         return message
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -187,6 +192,21 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def structured_output_field(self) -> str | None:
+        forcing = self.tools and self.tool_choice not in (None, "none", "auto")
+        return "tool_choice" if forcing else super().structured_output_field
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """A forced tool call's constraint (tool_calls.py), else response_format's or structured_outputs'."""
+        forced = self.forced_call()
+        if forced is None:
+            return super().structured_output_params()
+        if super().structured_output_field is not None:
+            raise InvalidRequestError(f"give either a forced tool_choice or {super().structured_output_field}, "
+                                      "not both", param="tool_choice")
+        return forced.constraint()
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:  # named as sent
@@ -267,6 +287,7 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -290,6 +311,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response 
 from kvflow.entrypoints.openai.structured import name_field
 from kvflow.entrypoints.openai.tokenization import ROUTES as TOKENIZATION_ROUTES
 from kvflow.entrypoints.openai.tokenization import register_tokenization
+from kvflow.entrypoints.openai.tool_calls import ToolCallStream
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.backend import StructuredOutputError
@@ -94,7 +95,8 @@ class OpenAIServer:
                                         param="messages")
         conversation = [m.to_template_dict() for m in body.messages]
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+            text = tok.apply_chat_template(conversation, tools=body.template_tools(), tokenize=False,
+                                           add_generation_prompt=body.add_generation_prompt,
                                            **(body.chat_template_kwargs or {}))
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
@@ -268,13 +270,15 @@ class OpenAIServer:
         if body.stream:
             return sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
-        choices = []
+        choices, forced = [], body.forced_call()
         for comp in out.outputs:  # n samples, in index order
             logprobs = None
             if params.logprobs is not None:
                 logprobs = p.chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
-            choices.append(p.ChatChoice(index=comp.index, message=p.ChatResponseMessage(content=comp.text),
-                                        logprobs=logprobs, finish_reason=comp.finish_reason,
+            calls = forced.read(comp.text) if forced is not None else None
+            message = p.ChatResponseMessage(content=None if calls else comp.text, tool_calls=calls)
+            choices.append(p.ChatChoice(index=comp.index, message=message, logprobs=logprobs,
+                                        finish_reason="tool_calls" if calls else comp.finish_reason,
                                         stop_reason=comp.stop_reason))
         resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
                                         usage=c.usage([len(ids)], [out]), prompt_logprobs=self.prompt_logprobs(out))
@@ -282,8 +286,9 @@ class OpenAIServer:
 
     async def _chat_events(self, stream: RequestStream, raw: Request, body: p.ChatCompletionRequest,
                            params: SamplingParams, prompt_len: int) -> AsyncIterator[str]:
-        created, k = int(time.time()), params.logprobs
+        created, k, forced = int(time.time()), params.logprobs, body.forced_call()
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
+        calls = {j: ToolCallStream(forced) for j in range(params.n)} if forced is not None else {}
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             return sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
@@ -298,12 +303,20 @@ class OpenAIServer:
                     was_done = state.done
                     delta, ids, lps = state.advance(comp)
                     logprobs = p.chat_logprobs(ids, lps, k, self.decode_token) if k is not None and ids else None
-                    if delta or logprobs is not None:
-                        yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(content=delta),
-                                                        logprobs=logprobs)])
+                    message = p.DeltaMessage(content=delta) if not calls else \
+                        p.DeltaMessage(tool_calls=calls[comp.index].delta(delta))  # a forced call: see tool_calls.py
+                    if message.content or message.tool_calls or logprobs is not None:
+                        yield chunk([p.ChatStreamChoice(index=comp.index, delta=message, logprobs=logprobs)])
                     if state.done and not was_done:
+                        reason = comp.finish_reason
+                        if calls:
+                            tool_calls, text, called = calls[comp.index].finish()
+                            reason = "tool_calls" if called else reason
+                            if tool_calls or text:
+                                yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(
+                                    content=text, tool_calls=tool_calls))])
                         yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(),
-                                                        finish_reason=comp.finish_reason)])
+                                                        finish_reason=reason)])
             if body.include_usage:
                 yield chunk([], usage=p.UsageInfo.of(prompt_len, states.completion_tokens()))
         except ClientDisconnected:

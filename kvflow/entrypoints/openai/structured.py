@@ -90,6 +90,8 @@ class StructuredOutputFields(BaseModel):
 
 def name_field(message: str, field: str | None) -> str:
     """An engine message about `structured_outputs.<kind>` reworded for the field the client sent."""
+    if field == "tool_choice" and message.startswith("structured_outputs.json"):
+        return "tools: a function's parameters" + message[len("structured_outputs.json"):]
     if field != "response_format":
         return message
     for engine_name, wire_name in (("structured_outputs.json_object", "response_format"),

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.errors import check_text
+from kvflow.entrypoints.openai.tool_calls import ToolFields
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.server import OpenAIServer
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 ROUTES = ("/tokenize", "/detokenize")
 
 
-class TokenizeRequest(p.OpenAIModel):
-    """Exactly one of `prompt` (as /v1/completions takes it) and `messages` (as /v1/chat/completions)."""
+class TokenizeRequest(p.OpenAIModel, ToolFields):
+    """Exactly one of `prompt` (as /v1/completions takes it) and `messages` (as /v1/chat/completions,
+    with its `tools` for the template)."""
 
     model: str | None = None
     prompt: str | None = None

@@ -13,6 +13,7 @@ import pytest
 
 from kvflow import SamplingParams
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.logprobs import prompt_logprobs
 
 from .conftest import MODEL_NAME
 
@@ -103,7 +104,7 @@ def test_to_sampling_params_passes_prompt_logprobs():
 
 def test_prompt_logprobs_payload_ranks_and_clamp():
     entries = [None, {7: -3.0, 1: -0.5, 2: -1.0}, {5: -0.1, 9: float("-inf")}]
-    out = p.prompt_logprobs([4, 7, 9], entries, [None, 12, 2], lambda t: f"<{t}>")
+    out = prompt_logprobs([4, 7, 9], entries, [None, 12, 2], lambda t: f"<{t}>")
     assert out[0] is None
     # the prompt token 7 lies past the top-2: it keeps the engine's rank, the top-2 are ranked in order
     assert {t: (v.logprob, v.rank, v.decoded_token) for t, v in out[1].items()} == {

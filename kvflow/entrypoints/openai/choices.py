@@ -62,26 +62,6 @@ def with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
     return out
 
 
-def echo_logprobs(token_ids: list[int], entries: list[dict[int, float] | None] | None, k: int,
-                  decode: p.TokenDecoder) -> p.CompletionLogProbs:
-    """The prompt's part of an echoed choice's logprobs: null for the first token, as OpenAI answers."""
-    out, offset = p.CompletionLogProbs(), 0
-    for tid, entry in zip(token_ids, entries or [None] * len(token_ids)):
-        token = decode(tid)
-        out.tokens.append(token)
-        out.text_offset.append(offset)
-        out.token_logprobs.append(None if entry is None else entry.get(tid))
-        out.top_logprobs.append(None if entry is None else {decode(t): lp for t, lp in p._top(entry, k)})
-        offset += len(token)
-    return out
-
-
-def joined(first: p.CompletionLogProbs, second: p.CompletionLogProbs) -> p.CompletionLogProbs:
-    return p.CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
-                                token_logprobs=first.token_logprobs + second.token_logprobs,
-                                tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
-
-
 def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> p.UsageInfo:
     """Each prompt once, every sample's completion."""
     return p.UsageInfo.of(sum(prompt_lens), sum(len(c.token_ids) for o in outputs for c in o.outputs))

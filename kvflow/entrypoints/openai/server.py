@@ -17,7 +17,6 @@ import functools
 import itertools
 import json
 import logging
-import secrets
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
@@ -28,14 +27,15 @@ from fastapi.responses import Response
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.auth import APIKeyMiddleware
 from kvflow.entrypoints.openai.dashboard import register_dashboard
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from kvflow.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response  # noqa: F401 (TextStreamer: re-exported)
 from kvflow.entrypoints.openai.structured import name_field
-from kvflow.entrypoints.openai.tokenization import ROUTES as TOKENIZATION_ROUTES
 from kvflow.entrypoints.openai.tokenization import register_tokenization
 from kvflow.entrypoints.openai.tool_calls import ToolCallStream
 from kvflow.outputs import RequestOutput
@@ -44,26 +44,6 @@ from kvflow.structured_output.backend import StructuredOutputError
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
 logger = logging.getLogger("kvflow")
-
-
-class _APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware): checks the key of /v1 and the tokenizer's routes before
-    any parsing, leaves streams alone."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path in TOKENIZATION_ROUTES) \
-                and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                          code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class OpenAIServer:
@@ -176,7 +156,7 @@ class OpenAIServer:
     def prompt_logprobs(self, out: RequestOutput) -> p.PromptLogprobs | None:
         if out.prompt_logprobs is None or out.prompt_token_ranks is None:
             return None
-        return p.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, out.prompt_token_ranks, self.decode_token)
+        return prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, out.prompt_token_ranks, self.decode_token)
 
     def echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else "".join(self.decode_token(t) for t in ids)
@@ -203,10 +183,10 @@ class OpenAIServer:
             for comp in out.outputs:
                 logprobs = None
                 if k is not None:
-                    logprobs = p.completion_logprobs(comp.token_ids, comp.logprobs or [], k, self.decode_token,
+                    logprobs = completion_logprobs(comp.token_ids, comp.logprobs or [], k, self.decode_token,
                                                      len(echoes[i]))
                     if body.echo:
-                        logprobs = c.joined(c.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k,
+                        logprobs = joined(echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, k,
                                                             self.decode_token), logprobs)
                 choices.append(p.CompletionResponseChoice(
                     index=i * n + comp.index, text=echoes[i] + comp.text, logprobs=logprobs,
@@ -237,14 +217,14 @@ class OpenAIServer:
                         state, index = states.get(i, comp.index), states.index(i, comp.index)
                         if body.echo and k is not None and not state.echoed:  # prompt logprobs came with this output
                             state.echoed, state.text_offset = True, len(echoes[i])
-                            yield chunk(index, echoes[i], logprobs=c.echo_logprobs(
+                            yield chunk(index, echoes[i], logprobs=echo_logprobs(
                                 out.prompt_token_ids, out.prompt_logprobs, k, self.decode_token))
                         was_done = state.done
                         delta, ids, lps = state.advance(comp)
                         finished = state.done and not was_done
                         logprobs = None
                         if k is not None and ids:
-                            logprobs = p.completion_logprobs(ids, lps, k, self.decode_token, state.text_offset)
+                            logprobs = completion_logprobs(ids, lps, k, self.decode_token, state.text_offset)
                             state.text_offset += sum(len(t) for t in logprobs.tokens)
                         if delta or logprobs is not None or finished:
                             yield chunk(index, delta, logprobs=logprobs,
@@ -274,7 +254,7 @@ class OpenAIServer:
         for comp in out.outputs:  # n samples, in index order
             logprobs = None
             if params.logprobs is not None:
-                logprobs = p.chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
+                logprobs = chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
             calls = forced.read(comp.text) if forced is not None else None
             message = p.ChatResponseMessage(content=None if calls else comp.text, tool_calls=calls)
             choices.append(p.ChatChoice(index=comp.index, message=message, logprobs=logprobs,
@@ -302,7 +282,7 @@ class OpenAIServer:
                     state = states.get(0, comp.index)
                     was_done = state.done
                     delta, ids, lps = state.advance(comp)
-                    logprobs = p.chat_logprobs(ids, lps, k, self.decode_token) if k is not None and ids else None
+                    logprobs = chat_logprobs(ids, lps, k, self.decode_token) if k is not None and ids else None
                     message = p.DeltaMessage(content=delta) if not calls else \
                         p.DeltaMessage(tool_calls=calls[comp.index].delta(delta))  # a forced call: see tool_calls.py
                     if message.content or message.tool_calls or logprobs is not None:
@@ -351,7 +331,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app = FastAPI(title="kvflow", version=__version__)
     app.state.kvflow = server
     if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.state.drain = DrainState()  # outermost: a draining server refuses before anything else runs
     app.add_middleware(DrainMiddleware, state=app.state.drain)

@@ -1,0 +1,84 @@
+"""Log-probabilities in the wire formats: completions', chat's, and vLLM's prompt_logprobs.
+
+The engine gives, per generated (or prompt) position, `{token id: logprob}` for the chosen token
+and the top k. These functions turn those into what each route sends; the server decodes each
+token once (`decode`, cached by the server).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvflow.entrypoints.openai.protocol import (
+    ChatLogprobs,
+    ChatLogprobToken,
+    CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
+
+TokenDecoder = Callable[[int], str]
+
+
+def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one step (the engine adds the sampled one when outside them)."""
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], k: int, decode: TokenDecoder,
+                        offset: int = 0) -> CompletionLogProbs:
+    """The legacy completions shape: parallel lists, text_offset counted in characters.
+
+    A None entry (an echoed prompt's first token, which nothing scores) gives nulls, as OpenAI answers.
+    """
+    out = CompletionLogProbs()
+    for tid, entry in zip(token_ids, logprobs):
+        token = decode(tid)
+        out.tokens.append(token)
+        out.token_logprobs.append(None if entry is None else entry.get(tid))
+        out.top_logprobs.append(None if entry is None else {decode(t): lp for t, lp in top_logprobs(entry, k)})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def echo_logprobs(token_ids: list[int], entries: list[dict[int, float] | None] | None, k: int,
+                  decode: TokenDecoder) -> CompletionLogProbs:
+    """The prompt's part of an echoed choice's logprobs (the engine's prompt_logprobs)."""
+    return completion_logprobs(token_ids, entries or [None] * len(token_ids), k, decode)
+
+
+def joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: TokenDecoder) -> ChatLogprobs:
+    """The chat shape: one object per token, with its UTF-8 bytes and its top alternatives."""
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        token = decode(tid)
+        tops = [TopLogprob(token=decode(t), logprob=lp, bytes=list(decode(t).encode("utf-8"))) for t, lp in top_logprobs(entry, k)]
+        content.append(ChatLogprobToken(token=token, logprob=entry.get(tid, -9999.0),
+                                        bytes=list(token.encode("utf-8")), top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], ranks: list[int | None],
+                    decode: TokenDecoder) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per position, None first.
+
+    The prompt token keeps the rank the engine measured (past the top-k when it is not among
+    them); the top-k are ranked by order. -inf becomes -9999.0, as vLLM sends it (JSON has no -inf).
+    """
+    out: PromptLogprobs = []
+    for tid, entry, rank in zip(token_ids, logprobs, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        order = {t: i + 1 for i, (t, _) in enumerate(sorted(entry.items(), key=lambda kv: kv[1], reverse=True))}
+        out.append({str(t): PromptLogprob(logprob=max(lp, -9999.0), rank=rank if t == tid else order[t],
+                                          decoded_token=decode(t)) for t, lp in entry.items()})
+    return out

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -307,25 +307,19 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router", lifespan=lifespan)
     app.state.router = router
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        return await router.forward("/v1/completions", raw)
+    def post_route(path: str, send: Callable[[str, Request], Awaitable[Response]]) -> None:
+        async def route(raw: Request) -> Response:
+            return await send(path, raw)
+        app.add_api_route(path, route, methods=["POST"])
 
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request) -> Response:
-        return await router.forward("/v1/chat/completions", raw)
+    for path in ("/v1/completions", "/v1/chat/completions"):  # routed by the policy
+        post_route(path, router.forward)
+    for path in ("/tokenize", "/detokenize"):  # any instance answers these alike
+        post_route(path, router.to_any)
 
     @app.get("/v1/models")
     async def models() -> Response:
         return await router.to_any("/v1/models")
-
-    @app.post("/tokenize")
-    async def tokenize(raw: Request) -> Response:
-        return await router.to_any("/tokenize", raw)
-
-    @app.post("/detokenize")
-    async def detokenize(raw: Request) -> Response:
-        return await router.to_any("/detokenize", raw)
 
     @app.get("/health")
     async def health() -> Response:

@@ -85,22 +85,43 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        As vLLM's `LLM.chat`: `chat_template` replaces the model's template (Jinja text),
+        `continue_final_message` continues the last (assistant) message instead of starting a new
+        one, `tools` are handed to the template, and `chat_template_kwargs` are its extra variables.
+        """
         if not messages:
             raise ValueError("messages: the conversation is empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
+                                            continue_final_message=continue_final_message, tools=tools,
+                                            chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; use generate() with a plain prompt")
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError("messages: this model has no chat template; pass chat_template= or use generate() "
+                             "with a plain prompt")
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("messages: every message needs 'role' and 'content'")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: continuing the last message and adding a new assistant "
+                             "turn exclude each other; pass add_generation_prompt=False")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, continue_final_message=continue_final_message,
+                                             tools=tools, **(chat_template_kwargs or {}))
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -123,3 +123,22 @@ def test_progress_bar(smollm2_fp32, capsys):
     assert "Processed prompts" in capsys.readouterr().err
     smollm2_fp32.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_chat_template_options_as_vllm_takes_them(smollm2_fp32):
+    conversation = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    cont = smollm2_fp32.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert cont["prompt"].endswith("The color is")  # no end-of-turn after it: the reply goes on from there
+    out = smollm2_fp32.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                            continue_final_message=True)[0]
+    assert out.prompt == cont["prompt"] and out.prompt_token_ids == cont["prompt_token_ids"]
+    with pytest.raises(ValueError, match="^continue_final_message"):
+        smollm2_fp32.chat(conversation, GREEDY, use_tqdm=False, continue_final_message=True)
+
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% for t in tools or [] %}tool={{ t.function.name }}\n{% endfor %}{{ suffix }}")
+    rendered = smollm2_fp32.apply_chat_template(
+        conversation[:1], chat_template=template, tools=[{"type": "function", "function": {"name": "paint"}}],
+        chat_template_kwargs={"suffix": "[assistant]"})
+    assert rendered["prompt"] == "[user] Name a color.\ntool=paint\n[assistant]"
+    _pool_is_whole(smollm2_fp32)

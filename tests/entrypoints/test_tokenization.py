@@ -58,3 +58,18 @@ def test_the_api_key_guards_both_routes(live_server):
     for path in ("/tokenize", "/detokenize"):
         r = httpx.post(live_server.base_url + path, json={"prompt": "hi", "tokens": [1]}, timeout=10)
         assert r.status_code == 401, (path, r.text)
+
+
+def test_continue_final_message_continues_the_assistants_text(live_server, http, offline_llm):
+    conversation = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    tok = _post(http, "/tokenize", {"messages": conversation, **options})
+    want = offline_llm.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert tok["tokens"] == want["prompt_token_ids"]
+    done = _post(http, "/v1/chat/completions", {"model": MODEL_NAME, "messages": conversation, "max_tokens": 4,
+                                                 "temperature": 0, **options})
+    assert done["usage"]["prompt_tokens"] == tok["count"]
+    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": conversation,
+                                                "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    assert live_server.wait_pool_free()

@@ -188,6 +188,7 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:

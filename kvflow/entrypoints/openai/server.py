@@ -74,9 +74,13 @@ class OpenAIServer:
             raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
                                         param="messages")
         conversation = [m.to_template_dict() for m in body.messages]
+        if body.continue_final_message and body.add_generation_prompt:
+            raise p.InvalidRequestError("continue_final_message: set add_generation_prompt to false to continue "
+                                        "the last message", param="continue_final_message")
         try:
             text = tok.apply_chat_template(conversation, tools=body.template_tools(), tokenize=False,
                                            add_generation_prompt=body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message,
                                            **(body.chat_template_kwargs or {}))
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",

@@ -32,6 +32,7 @@ class TokenizeRequest(p.OpenAIModel, ToolFields):
     prompt: str | None = None
     messages: list[p.ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # None: as the generating route does (a completion prompt gets the tokenizer's special
     # tokens; a chat prompt none, its template writes them).

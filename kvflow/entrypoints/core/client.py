@@ -91,6 +91,7 @@ class EngineCoreClient:
         self.model_path: str = info["model_path"]
         self.dtype_name: str = info["dtype"]
         self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
         values, source = info["sampling_defaults"]
         self.sampling_defaults = SamplingDefaults(values, source)
         self.core_pid: int = info["pid"]
@@ -139,6 +140,11 @@ class EngineCoreClient:
         """As `AsyncEngine.add_request`; the prompt is tokenized here, then sent to the core."""
         self._check_alive()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
+        # Token ids are checked here as the core would, before this side's detokenizer reads them.
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}")
+        if params is not None:
+            params.check_token_ids(self.vocab_size)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         future: asyncio.Future = loop.create_future()
@@ -149,11 +155,15 @@ class EngineCoreClient:
             self._adds[request_id] = future
             self._streams[request_id] = stream
             self._assembler.start(request_id, text, ids, params)
-        # The core makes token ids only; the text and its stop strings are the assembler's.
-        core_params = {**wire.encode_params(params), "stop": [], "detokenize": False}
-        self._send((wire.ADD, request_id, text, ids, core_params, arrival_time or time.time(),
-                    priority, kv_transfer_params))
         try:
+            # The core makes token ids only; the text and its stop strings are the assembler's.
+            core_params = {**wire.encode_params(params), "stop": [], "detokenize": False}
+            try:
+                self._send((wire.ADD, request_id, text, ids, core_params, arrival_time or time.time(),
+                            priority, kv_transfer_params))
+            except OverflowError:  # msgpack packs integers of 64 bits at most
+                raise ValueError("prompt: a number in the request (a token id, the priority) does not fit in "
+                                 "64 bits") from None
             await future
         except BaseException:
             self.abort(request_id, stream)  # cancelled, refused or dead: the tables forget it

@@ -27,6 +27,11 @@ class InvalidRequestError(ValueError):
         self.message, self.param, self.status, self.code = message, param, status, code
 
 
+# A token id as a request may send one: no model has 2**31 tokens, and a bound keeps absurd
+# integers from reaching msgpack (the split server's wire), which cannot pack them.
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -47,13 +52,13 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     # OpenAI's: token id (a string of digits) -> bias; vLLM's allowed_token_ids and bad_words.
-    logit_bias: dict[Annotated[str, Field(pattern=r"^\d+$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
-    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=r"^\d{1,10}$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
     n: int | None = 1
     stream: bool | None = False

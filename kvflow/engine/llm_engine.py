@@ -152,7 +152,7 @@ class LLMEngine:
                 f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
-        params.check_token_ids(vocab)
+        params.check_token_ids(vocab, self.eos_token_ids)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.prompt_logprobs is not None and self.distributed:
             raise ValueError(f"prompt_logprobs: not supported with the distributed executor ({self.parallel.describe()}) yet")

@@ -114,14 +114,14 @@ class LLM:
             raise ValueError("messages: this model has no chat template; pass chat_template= or use generate() "
                              "with a plain prompt")
         for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError("messages: every message needs 'role' and 'content'")
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
+                raise ValueError("messages: every message needs 'role' and 'content' (or 'tool_calls')")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: continuing the last message and adding a new assistant "
                              "turn exclude each other; pass add_generation_prompt=False")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, continue_final_message=continue_final_message,
-                                             tools=tools, **(chat_template_kwargs or {}))
+        options = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
+                   "continue_final_message": continue_final_message, "tools": tools, **(chat_template_kwargs or {})}
+        text = tokenizer.apply_chat_template(conversation, **{**options, "tokenize": False})
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -245,6 +245,9 @@ class SamplingParams:
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         if self.allowed_token_ids is not None:
+            if self.structured_outputs is not None:  # the two masks could leave no token at all
+                raise ValueError("allowed_token_ids cannot be combined with structured_outputs (nor with a forced "
+                                 "tool call): the grammar decides which tokens are allowed")
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids or None, "
                                  f"got {self.allowed_token_ids!r}")
@@ -258,12 +261,18 @@ class SamplingParams:
                 if not isinstance(w, str) or not w.strip():
                     raise ValueError(f"bad_words must be non-blank str, got {w!r}")
 
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Refuse token ids the model's logits do not have: the sampler would index past them."""
+    def check_token_ids(self, vocab_size: int, eos_token_ids: list[int] = ()) -> None:
+        """Refuse token ids the model's logits do not have (the sampler would index past them), and
+        allowed_token_ids that could never meet min_tokens (all of them end the output)."""
         for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
             outside = sorted({t for t in ids if t >= vocab_size})
             if outside:
                 raise ValueError(f"{name} token ids must be in [0, {vocab_size}) for this model, got {outside[:5]}")
+        if self.allowed_token_ids and self.min_tokens:
+            ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            if set(self.allowed_token_ids) <= ends:
+                raise ValueError(f"allowed_token_ids are all stop or EOS tokens, so min_tokens={self.min_tokens} "
+                                 "could never be met")
 
     @property
     def is_greedy(self) -> bool:

@@ -141,4 +141,8 @@ def test_chat_template_options_as_vllm_takes_them(smollm2_fp32):
         conversation[:1], chat_template=template, tools=[{"type": "function", "function": {"name": "paint"}}],
         chat_template_kwargs={"suffix": "[assistant]"})
     assert rendered["prompt"] == "[user] Name a color.\ntool=paint\n[assistant]"
+    # As in vLLM, chat_template_kwargs may carry the template's own options too.
+    via_kwargs = smollm2_fp32.apply_chat_template(conversation[:1], chat_template=template, chat_template_kwargs={
+        "suffix": "[assistant]", "tools": [{"type": "function", "function": {"name": "paint"}}]})
+    assert via_kwargs == rendered
     _pool_is_whole(smollm2_fp32)

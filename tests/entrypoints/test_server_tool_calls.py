@@ -71,11 +71,12 @@ def test_a_named_function_is_called_with_arguments_that_follow_its_schema(live_s
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, tools=TOOLS, tool_choice=NAMED,
                                        max_tokens=64, temperature=0)
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    # OpenAI ends a forced named call as "stop" ("tool_calls" is for a call the model chose).
+    assert choice.finish_reason == "stop" and choice.message.content is None
     _check_calls(choice.message.tool_calls, ["get_weather"])
     # Streamed: the same arguments, piece by piece, under one id and name.
     calls, text, reason = _streamed(client, tools=TOOLS, tool_choice=NAMED, max_tokens=64, temperature=0)
-    assert (text, reason) == ("", "tool_calls") and len(calls) == 1
+    assert (text, reason) == ("", "stop") and len(calls) == 1
     assert calls[0][1:] == ("get_weather", choice.message.tool_calls[0].function.arguments)
     assert live_server.wait_pool_free()
 
@@ -100,7 +101,19 @@ def test_required_calls_one_or_more_of_the_tools(live_server, client, parallel):
     assert live_server.wait_pool_free()
 
 
-def test_a_call_cut_short_comes_back_as_its_text(live_server, client):
+def test_named_arguments_cut_short_are_the_same_streamed_or_not(live_server, client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, tools=TOOLS, tool_choice=NAMED,
+                                       max_tokens=5, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    partial = choice.message.tool_calls[0].function.arguments
+    assert partial.startswith("{") and not partial.endswith("}")
+    calls, text, reason = _streamed(client, tools=TOOLS, tool_choice=NAMED, max_tokens=5, temperature=0)
+    assert (text, reason) == ("", "length") and [c[1:] for c in calls] == [("get_weather", partial)]
+    assert live_server.wait_pool_free()
+
+
+def test_required_calls_cut_short_come_back_as_their_text(live_server, client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, tools=TOOLS, tool_choice="required",
                                        max_tokens=4, temperature=0)
     choice = r.choices[0]

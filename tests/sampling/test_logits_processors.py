@@ -110,3 +110,14 @@ def test_bad_words_are_spelled_both_at_the_start_and_after_a_space():
     assert bad_words_token_ids(_WordTokenizer(), None) == []
     with pytest.raises(ValueError, match="^bad_words: this model has no tokenizer"):
         bad_words_token_ids(None, ["cat"])
+
+
+def test_allowed_token_ids_that_leave_no_token_are_refused():
+    from kvflow.structured_output.params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="^allowed_token_ids cannot be combined with structured_outputs"):
+        SamplingParams(allowed_token_ids=[5], structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(ValueError, match="^allowed_token_ids are all stop or EOS tokens"):
+        SamplingParams(allowed_token_ids=[EOS, 7], stop_token_ids=[7], min_tokens=2).check_token_ids(V, [EOS])
+    SamplingParams(allowed_token_ids=[EOS, 7], stop_token_ids=[7], min_tokens=2, ignore_eos=True).check_token_ids(V, [EOS])
+    SamplingParams(allowed_token_ids=[EOS], min_tokens=0).check_token_ids(V, [EOS])

@@ -19,11 +19,18 @@ from kvflow.entrypoints.openai.protocol import (
 )
 
 TokenDecoder = Callable[[int], str]
+# What a logprob of -inf (a token the grammar, allowed_token_ids or a ban ruled out) is sent as:
+# JSON has no -inf, and vLLM sends this.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)
 
 
 def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one step (the engine adds the sampled one when outside them)."""
-    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+    return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]]
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], k: int, decode: TokenDecoder,
@@ -36,7 +43,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | 
     for tid, entry in zip(token_ids, logprobs):
         token = decode(tid)
         out.tokens.append(token)
-        out.token_logprobs.append(None if entry is None else entry.get(tid))
+        out.token_logprobs.append(None if entry is None else finite(entry.get(tid)))
         out.top_logprobs.append(None if entry is None else {decode(t): lp for t, lp in top_logprobs(entry, k)})
         out.text_offset.append(offset)
         offset += len(token)
@@ -61,7 +68,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], k: int
     for tid, entry in zip(token_ids, logprobs):
         token = decode(tid)
         tops = [TopLogprob(token=decode(t), logprob=lp, bytes=list(decode(t).encode("utf-8"))) for t, lp in top_logprobs(entry, k)]
-        content.append(ChatLogprobToken(token=token, logprob=entry.get(tid, -9999.0),
+        content.append(ChatLogprobToken(token=token, logprob=finite(entry.get(tid, LOGPROB_FLOOR)),
                                         bytes=list(token.encode("utf-8")), top_logprobs=tops))
     return ChatLogprobs(content=content)
 
@@ -71,7 +78,7 @@ def prompt_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None
     """vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per position, None first.
 
     The prompt token keeps the rank the engine measured (past the top-k when it is not among
-    them); the top-k are ranked by order. -inf becomes -9999.0, as vLLM sends it (JSON has no -inf).
+    them); the top-k are ranked by order; -inf is sent as LOGPROB_FLOOR.
     """
     out: PromptLogprobs = []
     for tid, entry, rank in zip(token_ids, logprobs, ranks):
@@ -79,6 +86,6 @@ def prompt_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None
             out.append(None)
             continue
         order = {t: i + 1 for i, (t, _) in enumerate(sorted(entry.items(), key=lambda kv: kv[1], reverse=True))}
-        out.append({str(t): PromptLogprob(logprob=max(lp, -9999.0), rank=rank if t == tid else order[t],
+        out.append({str(t): PromptLogprob(logprob=finite(lp), rank=rank if t == tid else order[t],
                                           decoded_token=decode(t)) for t, lp in entry.items()})
     return out

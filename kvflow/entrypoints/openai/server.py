@@ -78,10 +78,9 @@ class OpenAIServer:
             raise p.InvalidRequestError("continue_final_message: set add_generation_prompt to false to continue "
                                         "the last message", param="continue_final_message")
         try:
-            text = tok.apply_chat_template(conversation, tools=body.template_tools(), tokenize=False,
-                                           add_generation_prompt=body.add_generation_prompt,
-                                           continue_final_message=body.continue_final_message,
-                                           **(body.chat_template_kwargs or {}))
+            options = {"tools": body.template_tools(), "add_generation_prompt": body.add_generation_prompt,
+                       "continue_final_message": body.continue_final_message, **(body.chat_template_kwargs or {})}
+            text = tok.apply_chat_template(conversation, **{**options, "tokenize": False})
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc
@@ -261,8 +260,8 @@ class OpenAIServer:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
             calls = forced.read(comp.text) if forced is not None else None
             message = p.ChatResponseMessage(content=None if calls else comp.text, tool_calls=calls)
-            choices.append(p.ChatChoice(index=comp.index, message=message, logprobs=logprobs,
-                                        finish_reason="tool_calls" if calls else comp.finish_reason,
+            reason = forced.finish_reason(bool(calls), comp.finish_reason) if forced else comp.finish_reason
+            choices.append(p.ChatChoice(index=comp.index, message=message, logprobs=logprobs, finish_reason=reason,
                                         stop_reason=comp.stop_reason))
         resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
                                         usage=c.usage([len(ids)], [out]), prompt_logprobs=self.prompt_logprobs(out))
@@ -295,7 +294,7 @@ class OpenAIServer:
                         reason = comp.finish_reason
                         if calls:
                             tool_calls, text, called = calls[comp.index].finish()
-                            reason = "tool_calls" if called else reason
+                            reason = forced.finish_reason(called, reason)
                             if tool_calls or text:
                                 yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(
                                     content=text, tool_calls=tool_calls))])

@@ -7,9 +7,10 @@ by the grammar engine (structured output) to the JSON the call must be, and read
 - "required": the output is a JSON array of one or more `{"name", "parameters"}` objects, each
   naming one of `tools` with arguments that follow its schema (exactly one when
   `parallel_tool_calls` is false).
-The answer carries `message.tool_calls` (content null) and finish_reason "tool_calls"; a call
-cut short by max_tokens cannot be read back, so it is returned as the text it got to, with
-finish_reason "length". "auto" (the model decides whether to call) needs that model-specific
+The answer carries `message.tool_calls` (content null), with OpenAI's finish_reason: "tool_calls"
+for "required", the output's own ("stop", or "length" when max_tokens cut the arguments short)
+for a named function. "required" calls cut short cannot be read back: they come as the text they
+got to, with finish_reason "length". "auto" (the model decides whether to call) needs that model-specific
 parser, which kvflow does not have: it is refused with the values that work, not ignored.
 `tools` also reach the chat template (`tools=`), for templates that describe them to the model.
 """
@@ -101,15 +102,21 @@ class ForcedCall:
         return StructuredOutputsParams(json=array)
 
     def read(self, text: str) -> list[ToolCall] | None:
-        """The calls in a finished output; None when it is not complete JSON (cut by max_tokens)."""
+        """The calls in an output. A named function's arguments are the text, complete or not (as
+        they were streamed); "required" calls need the whole array, else None (cut by max_tokens)."""
+        if self.function is not None:
+            return [ToolCall(function=FunctionCall(name=self.function, arguments=text))]
         try:
             value = json.loads(text)
         except ValueError:
             return None
-        if self.function is not None:
-            return [ToolCall(function=FunctionCall(name=self.function, arguments=text))]
         return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)))
                 for c in value]
+
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call (here: "required"); a forced named
+        function ends as its output did ("stop", or "length" when cut short)."""
+        return "tool_calls" if called and self.function is None else reason
 
 
 class ToolFields(_Wire):
@@ -186,14 +193,14 @@ class ToolCallStream:
         return [DeltaToolCall(index=0, **head, function=DeltaFunctionCall(name=name, arguments=piece))]
 
     def finish(self) -> tuple[list[DeltaToolCall] | None, str | None, bool]:
-        """At the end: (the "required" calls as one delta, the text of output that is not a call,
-        whether the output was a complete call)."""
+        """At the end: (the "required" calls as one delta, the text of a "required" output that is
+        not a complete list, whether it was one). A named function's arguments are all out already."""
+        if self.forced.function is not None:
+            return None, None, True
         text = "".join(self.text)
         calls = self.forced.read(text)
         if calls is None:
-            return None, None if self.forced.function is not None else text, False
-        if self.forced.function is not None:
-            return None, None, True
+            return None, text, False
         return [DeltaToolCall(index=i, id=c.id, type="function",
                               function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
                 for i, c in enumerate(calls)], None, True

@@ -46,25 +46,39 @@ class LogitsEdits:
 
         None when no row has any, so a step of plain requests builds nothing.
         """
-        ban_rows, ban_cols = _min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size)
-        if bad_words_token_ids is not None:
-            for i, words in enumerate(bad_words_token_ids):
-                for t in sorted(_bad_word_bans(words, output_token_ids[i])) if words else ():
+        # One pass finds the rows with anything to do: at a plain step, that is all this costs.
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        allowed_rows, bias_rows = [], []
+        for i, p in enumerate(params):
+            due = p.min_tokens > len(output_token_ids[i])
+            words = bad_words_token_ids[i] if bad_words_token_ids is not None else None
+            if due or words:
+                banned = _bad_word_bans(words, output_token_ids[i]) if words else set()
+                if due:
+                    banned.update(p.stop_token_ids)
+                    if not p.ignore_eos:
+                        banned.update(eos_token_ids)
+                for t in sorted(banned):
                     if 0 <= t < vocab_size:
                         ban_rows.append(i)
                         ban_cols.append(t)
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(i)
+            if p.logit_bias:
+                bias_rows.append(i)
+        if not (ban_rows or allowed_rows or bias_rows):
+            return None
         edits = cls()
         if ban_rows:
             edits.banned = (_long(ban_rows, device), _long(ban_cols, device))
-        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
         if allowed_rows:
             mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool, device=device)
             for j, i in enumerate(allowed_rows):
                 ids = [t for t in params[i].allowed_token_ids if t < vocab_size]
                 mask[j, _long(ids, device)] = True
             edits.allowed = (_long(allowed_rows, device), mask)
-        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in sorted(p.logit_bias.items())
-                if t < vocab_size]
+        bias = [(i, t, b) for i in bias_rows for t, b in sorted(params[i].logit_bias.items()) if t < vocab_size]
         if bias:
             rows, cols, values = zip(*bias)
             edits.bias = (_long(rows, device), _long(cols, device),
@@ -86,28 +100,6 @@ class LogitsEdits:
 
 def _long(values: Any, device: torch.device | str) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.long, device=device)
-
-
-def _min_tokens_bans(
-    params: list[SamplingParams],
-    output_token_ids: list[list[int]],
-    eos_token_ids: list[int],
-    vocab_size: int,
-) -> tuple[list[int], list[int]]:
-    """Row/token pairs to set to -inf because the row has not yet produced min_tokens."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, p in enumerate(params):
-        if len(output_token_ids[i]) >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids or [])
-        if not p.ignore_eos:
-            banned.update(eos_token_ids)
-        for t in sorted(banned):
-            if 0 <= t < vocab_size:
-                rows.append(i)
-                cols.append(t)
-    return rows, cols
 
 
 def _bad_word_bans(words: list[list[int]], output: list[int]) -> set[int]:

@@ -83,6 +83,20 @@ def test_structured_greedy_matches_offline_llm(live_server, client, offline_llm)
     assert r.choices[0].message.content == offline
 
 
+def test_vllms_older_guided_fields_still_constrain(live_server, client):
+    """Clients written for vLLM before `structured_outputs` send guided_json / _regex / _choice / _grammar."""
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=64, temperature=0,
+                                          extra_body={"guided_json": PERSON})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    for extra, check in (({"guided_regex": "[a-z]{3} slow"}, lambda t: re.fullmatch("[a-z]{3} slow", t)),
+                         ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_grammar": 'root ::= "cat" | "dog"'}, lambda t: t in ("cat", "dog"))):
+        text = client.completions.create(model=MODEL_NAME, prompt="Answer:", max_tokens=16, temperature=1.0, seed=4,
+                                         extra_body=extra).choices[0].text
+        assert check(text), (extra, text)
+    assert live_server.wait_pool_free()
+
+
 def test_response_format_text_is_unconstrained(live_server, client):
     plain = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0)
     text = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0,
@@ -143,6 +157,12 @@ BAD = [
     ("/v1/completions", {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs", "not both"),
     ("/v1/completions", {"structured_outputs": {"regex": "a+"}, "min_tokens": 3}, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"guided_regex": "(unclosed"}, "guided_regex", "guided_regex: invalid regex"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"guided_json": "{oops"}, "guided_json", "not valid JSON"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "not both"),
+    ("/v1/chat/completions", {"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format",
+     "not both"),
 ]
 
 

@@ -87,6 +87,23 @@ def test_chat_stream_format(live_server, http):
     assert all("usage" not in c for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_count_so_far_on_every_chunk(live_server, http, path):
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"messages": CHAT} if "chat" in path else {"prompt": PROMPT})
+    with http.stream("POST", path, json=body) as r:
+        chunks = sse_events(r.iter_lines())[:-1]
+    usages = [c["usage"] for c in chunks]
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[-1] == 6 and len({u["prompt_tokens"] for u in usages}) == 1
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    text_chunks = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or
+                                                         c["choices"][0].get("delta", {}).get("content"))]
+    assert text_chunks and all(c["usage"]["completion_tokens"] >= 1 for c in text_chunks)
+    assert live_server.wait_pool_free()
+
+
 def test_usage_and_finish_reasons(live_server, client):
     tok = live_server.engine.tokenizer
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0,

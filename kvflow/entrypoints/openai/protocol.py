@@ -39,6 +39,7 @@ class OpenAIModel(BaseModel):
 # ---- requests -------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk too
 
 
 class SamplingRequest(OpenAIModel, StructuredOutputFields):
@@ -77,6 +78,11 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

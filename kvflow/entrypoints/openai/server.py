@@ -205,10 +205,13 @@ class OpenAIServer:
         created, k = int(time.time()), params.logprobs
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
 
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+
         def chunk(index: int, text: str, **kw: Any) -> str:
             choice = p.CompletionChoice(index=index, text=text, **kw)
+            usage = p.UsageInfo.of(prompt_tokens, states.completion_tokens()) if body.continuous_usage else None
             return sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                   choices=[choice]))
+                                                   choices=[choice], usage=usage))
 
         try:
             if body.echo and k is None:
@@ -234,7 +237,7 @@ class OpenAIServer:
                                         finish_reason=comp.finish_reason if finished else None,
                                         stop_reason=comp.stop_reason if finished else None)
             if body.include_usage:
-                usage = p.UsageInfo.of(sum(len(ids) for _, ids in prompts), states.completion_tokens())
+                usage = p.UsageInfo.of(prompt_tokens, states.completion_tokens())
                 yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                       choices=[], usage=usage))
         except ClientDisconnected:
@@ -274,6 +277,8 @@ class OpenAIServer:
         calls = {j: ToolCallStream(forced) for j in range(params.n)} if forced is not None else {}
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
+            if usage is None and body.continuous_usage:
+                usage = p.UsageInfo.of(prompt_len, states.completion_tokens())
             return sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
                                               choices=choices, usage=usage))
 

@@ -52,6 +52,11 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--in-process-engine", action="store_true",
                    help="run the engine loop in the API server's process (a thread) instead of its own engine "
                         "core process")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (the default with tools): the model decides whether to call, "
+                        "and --tool-call-parser reads the calls it writes (refused otherwise)")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format: hermes (<tool_call> JSON blocks; Qwen2.5, Qwen3)")
     g.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
 
@@ -63,6 +68,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.shutdown_timeout < 0:  # before the weights load
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: the parser reads the calls "
+                         "the model chooses to make")
+    if args.tool_call_parser is not None:
+        from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
+
+        make_tool_parser(args.tool_call_parser)  # an unknown name fails here, before the weights load
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
     kv_transfer = None
     if args.kv_transfer_config is not None:  # checked before the weights load
@@ -82,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("admission: at most %s request(s) waiting (--max-waiting), then 503; SIGTERM drains for at most "
                 "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
-    app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
+                    tool_call_parser=args.tool_call_parser)
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     # The engine has already logged the KV cache plan while loading.

@@ -88,6 +88,17 @@ def test_parser_has_subcommands_and_engine_options():
     assert cli.main([]) == 2  # no subcommand: help, failure status
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--enable-auto-tool-choice"], "go together"),
+    (["--tool-call-parser", "hermes"], "go together"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "qwen"], "unknown parser 'qwen'; supported: hermes"),
+])
+def test_tool_call_flags_are_checked_before_the_weights_load(flags, message):
+    args = cli.build_parser().parse_args(["serve", "--model", "/nonexistent", *flags])
+    with pytest.raises(ValueError, match=message):
+        cli.run_serve(args)
+
+
 def test_generate_console_script():
     cmd = kvflow_command() + ["generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
                               *SMALL_ENGINE]

@@ -12,7 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from .conftest import MODEL_NAME
+from kvflow.entrypoints.openai.server import build_app
+
+from .conftest import MODEL_NAME, start_uvicorn
 
 WEATHER = {
     "type": "object",
@@ -159,3 +161,39 @@ def test_tool_choice_none_generates_text(live_server, client):
                                        max_tokens=8, temperature=0)
     plain = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def auto_client(live_server):
+    """A second app over the module's engine, started as `--enable-auto-tool-choice --tool-call-parser hermes`."""
+    server, thread, port = start_uvicorn(build_app(live_server.engine, MODEL_NAME, live_server.api_key,
+                                                   tool_call_parser="hermes"))
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=live_server.api_key, max_retries=0,
+                            timeout=120)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+# What a Qwen-style model writes when it calls: a regex makes SmolLM2 write exactly that here.
+HERMES = 'Let me look\\.\n<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Paris", "unit": "celsius"\\}\\}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("regex", "called"), [(HERMES, True), ("Paris is sunny\\.", False)])
+def test_auto_reads_the_calls_the_model_wrote(live_server, auto_client, regex, called):
+    kw = dict(model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=200, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    choice = auto_client.chat.completions.create(**kw).choices[0]  # no tool_choice: "auto"
+    calls, text, reason = _streamed(auto_client, tool_choice="auto", **{k: v for k, v in kw.items() if k not in ("messages", "model")})
+    if called:
+        assert (choice.message.content, choice.finish_reason) == ("Let me look.", "tool_calls")
+        assert _check_calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+        assert (text, reason) == ("Let me look.", "tool_calls")
+        assert [(name, json.loads(args)) for _, name, args in calls] == [("get_weather", {"city": "Paris",
+                                                                                          "unit": "celsius"})]
+    else:
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("Paris is sunny.", None,
+                                                                                            "stop")
+        assert (calls, text, reason) == ([], "Paris is sunny.", "stop")
+    assert live_server.wait_pool_free()

@@ -37,7 +37,7 @@ from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response  # noqa: F401 (TextStreamer: re-exported)
 from kvflow.entrypoints.openai.structured import name_field
 from kvflow.entrypoints.openai.tokenization import register_tokenization
-from kvflow.entrypoints.openai.tool_calls import ToolCallStream
+from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.backend import StructuredOutputError
@@ -49,8 +49,9 @@ logger = logging.getLogger("kvflow")
 class OpenAIServer:
     """Request handling shared by the routes: validation, submission, collection, formatting."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, tool_parser: Any = None) -> None:
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.tool_parser = tool_parser  # reads the calls of tool_choice "auto" (tool_parsers.py); None: refused
         self.decode_token = functools.lru_cache(maxsize=1 << 16)(self._decode_token)  # logprobs repeat tokens
 
     # ---- request preparation -----------------------------------------------------------------
@@ -249,6 +250,7 @@ class OpenAIServer:
     # ---- /v1/chat/completions -------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)
+        body.use_tool_parser(self.tool_parser)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
         stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field,
@@ -256,25 +258,23 @@ class OpenAIServer:
         if body.stream:
             return sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
-        choices, forced = [], body.forced_call()
+        choices, shape = [], body.output_shape()  # plain text, or tool calls (tool_calls.py)
         for comp in out.outputs:  # n samples, in index order
             logprobs = None
             if params.logprobs is not None:
                 logprobs = chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
-            calls = forced.read(comp.text) if forced is not None else None
-            message = p.ChatResponseMessage(content=None if calls else comp.text, tool_calls=calls)
-            reason = forced.finish_reason(bool(calls), comp.finish_reason) if forced else comp.finish_reason
-            choices.append(p.ChatChoice(index=comp.index, message=message, logprobs=logprobs, finish_reason=reason,
-                                        stop_reason=comp.stop_reason))
+            content, calls, reason = shape.message(comp.text, comp.finish_reason)
+            choices.append(p.ChatChoice(index=comp.index, message=p.ChatResponseMessage(content=content, tool_calls=calls),
+                                        logprobs=logprobs, finish_reason=reason, stop_reason=comp.stop_reason))
         resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
                                         usage=c.usage([len(ids)], [out]), prompt_logprobs=self.prompt_logprobs(out))
         return _json(resp)
 
     async def _chat_events(self, stream: RequestStream, raw: Request, body: p.ChatCompletionRequest,
                            params: SamplingParams, prompt_len: int) -> AsyncIterator[str]:
-        created, k, forced = int(time.time()), params.logprobs, body.forced_call()
+        created, k, shape = int(time.time()), params.logprobs, body.output_shape()
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
-        calls = {j: ToolCallStream(forced) for j in range(params.n)} if forced is not None else {}
+        shaped = {j: shape.stream() for j in range(params.n)}  # text, or tool calls (tool_calls.py)
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             if usage is None and body.continuous_usage:
@@ -291,18 +291,15 @@ class OpenAIServer:
                     was_done = state.done
                     delta, ids, lps = state.advance(comp)
                     logprobs = chat_logprobs(ids, lps, k, self.decode_token) if k is not None and ids else None
-                    message = p.DeltaMessage(content=delta) if not calls else \
-                        p.DeltaMessage(tool_calls=calls[comp.index].delta(delta))  # a forced call: see tool_calls.py
-                    if message.content or message.tool_calls or logprobs is not None:
-                        yield chunk([p.ChatStreamChoice(index=comp.index, delta=message, logprobs=logprobs)])
+                    content, tool_calls = shaped[comp.index].delta(delta)
+                    if content or tool_calls or logprobs is not None:
+                        yield chunk([p.ChatStreamChoice(index=comp.index, logprobs=logprobs,
+                                                        delta=p.DeltaMessage(content=content, tool_calls=tool_calls))])
                     if state.done and not was_done:
-                        reason = comp.finish_reason
-                        if calls:
-                            tool_calls, text, called = calls[comp.index].finish()
-                            reason = forced.finish_reason(called, reason)
-                            if tool_calls or text:
-                                yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(
-                                    content=text, tool_calls=tool_calls))])
+                        content, tool_calls, reason = shaped[comp.index].finish(comp.finish_reason)
+                        if content or tool_calls:
+                            yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(
+                                content=content, tool_calls=tool_calls))])
                         yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(),
                                                         finish_reason=reason)])
             if body.include_usage:
@@ -330,12 +327,14 @@ def _json(model: p.OpenAIModel) -> Response:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """An app serving `engine` as model `served_model_name`; /v1 routes need `api_key` if given."""
+              metrics: ServerMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """An app serving `engine` as model `served_model_name`; /v1 routes need `api_key` if given;
+    `tool_call_parser` (a name in tool_parsers.PARSERS) serves tool_choice "auto"."""
     from kvflow import __version__
 
     metrics = metrics or ServerMetrics(served_model_name)
-    server = OpenAIServer(engine, served_model_name, metrics)
+    server = OpenAIServer(engine, served_model_name, metrics, tool_parser=make_tool_parser(tool_call_parser))
     app = FastAPI(title="kvflow", version=__version__)
     app.state.kvflow = server
     if api_key:

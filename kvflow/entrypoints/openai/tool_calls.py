@@ -1,4 +1,9 @@
-"""OpenAI's function calling, forced: `tool_choice` "required" or a named function.
+"""OpenAI's function calling: how a chat choice's output becomes its message.
+
+Every chat choice has an output shape (`ToolFields.output_shape`): plain text; a call forced by
+`tool_choice` (below); or, with `tool_choice` "auto" on a server started with a tool-call parser,
+calls the model chose to write in its own format (tool_parsers.py). A shape turns a finished
+output into (content, tool_calls, finish_reason), and makes a per-choice stream for SSE.
 
 A forced call needs no parser for the model's own tool-call format: the output is constrained
 by the grammar engine (structured output) to the JSON the call must be, and read back from it.
@@ -10,9 +15,10 @@ by the grammar engine (structured output) to the JSON the call must be, and read
 The answer carries `message.tool_calls` (content null), with OpenAI's finish_reason: "tool_calls"
 for "required", the output's own ("stop", or "length" when max_tokens cut the arguments short)
 for a named function. "required" calls cut short cannot be read back: they come as the text they
-got to, with finish_reason "length". "auto" (the model decides whether to call) needs that model-specific
-parser, which kvflow does not have: it is refused with the values that work, not ignored.
-`tools` also reach the chat template (`tools=`), for templates that describe them to the model.
+got to, with finish_reason "length". "auto" (the model decides whether to call) needs the parser of
+the model's own format; without one (`kvflow serve --tool-call-parser`) it is refused with the
+values that work, not ignored. `tools` also reach the chat template (`tools=`), for templates
+that describe them to the model.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
 from kvflow.structured_output.params import StructuredOutputsParams
 
@@ -118,6 +124,32 @@ class ForcedCall:
         function ends as its output did ("stop", or "length" when cut short)."""
         return "tool_calls" if called and self.function is None else reason
 
+    def message(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
+        calls = self.read(text)
+        return (None if calls else text), calls, self.finish_reason(bool(calls), reason)
+
+    def stream(self) -> "ForcedCallStream":
+        return ForcedCallStream(self)
+
+
+class PlainText:
+    """No tools in play: the output is the message's content."""
+
+    def message(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
+        return text, None, reason
+
+    def stream(self) -> "PlainText":
+        return self
+
+    def delta(self, piece: str) -> tuple[str | None, list[DeltaToolCall] | None]:
+        return piece or None, None
+
+    def finish(self, reason: str | None) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+        return None, None, reason
+
+
+PLAIN = PlainText()
+
 
 class ToolFields(_Wire):
     """The chat request's function-calling fields."""
@@ -125,6 +157,20 @@ class ToolFields(_Wire):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    _tool_parser: Any = PrivateAttr(default=None)  # the server's, for "auto" (tool_parsers.py)
+
+    def use_tool_parser(self, parser: Any) -> None:
+        """Let "auto" read calls with `parser` (the server's --tool-call-parser; None: refuse "auto")."""
+        self._tool_parser = parser
+
+    def output_shape(self) -> Any:
+        """How this request's output becomes a message: a forced call, the parser, or plain text."""
+        forced = self.forced_call()
+        if forced is not None:
+            return forced
+        if self.tools and self.tool_choice in (None, "auto"):
+            return self._tool_parser
+        return PLAIN
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -142,11 +188,13 @@ class ToolFields(_Wire):
         if len(tools) < len(self.tools):
             raise ValueError("tools: two functions have the same name")
         if choice == "auto":
+            if self._tool_parser is not None:
+                return None  # the model decides; the parser reads what it wrote
             raise ValueError(
                 "tool_choice 'auto' (the default when `tools` are given) lets the model decide whether to call a "
-                "tool, which needs a parser for this model's tool-call format; kvflow has none. Use "
-                "tool_choice 'required', a named function ({\"type\": \"function\", \"function\": {\"name\": ...}}) "
-                "or 'none'")
+                "tool, which needs a parser for this model's tool-call format: start the server with "
+                "--enable-auto-tool-choice --tool-call-parser NAME. Or use tool_choice 'required', a named "
+                "function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or 'none'")
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in tools:
                 raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in `tools` "
@@ -174,7 +222,7 @@ def template_message_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
 
 
 @dataclass
-class ToolCallStream:
+class ForcedCallStream:
     """One choice's stream under a forced call: a named function's arguments stream as they come;
     "required" calls are read whole at the end (their JSON array has to be complete first)."""
 
@@ -182,25 +230,25 @@ class ToolCallStream:
     text: list[str] = field(default_factory=list)
     started: bool = False
 
-    def delta(self, piece: str) -> list[DeltaToolCall] | None:
+    def delta(self, piece: str) -> tuple[str | None, list[DeltaToolCall] | None]:
         self.text.append(piece)
         if self.forced.function is None or not piece:
-            return None
+            return None, None
         head = {} if self.started else {"id": ToolCall(function=FunctionCall(name="", arguments="")).id,
                                         "type": "function"}
         name = None if self.started else self.forced.function
         self.started = True
-        return [DeltaToolCall(index=0, **head, function=DeltaFunctionCall(name=name, arguments=piece))]
+        return None, [DeltaToolCall(index=0, **head, function=DeltaFunctionCall(name=name, arguments=piece))]
 
-    def finish(self) -> tuple[list[DeltaToolCall] | None, str | None, bool]:
-        """At the end: (the "required" calls as one delta, the text of a "required" output that is
-        not a complete list, whether it was one). A named function's arguments are all out already."""
+    def finish(self, reason: str | None) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+        """At the end: (the text of a "required" output that is not a complete list, the "required"
+        calls as one delta, the finish reason). A named function's arguments are all out already."""
         if self.forced.function is not None:
-            return None, None, True
+            return None, None, reason
         text = "".join(self.text)
         calls = self.forced.read(text)
         if calls is None:
-            return None, text, False
-        return [DeltaToolCall(index=i, id=c.id, type="function",
-                              function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
-                for i, c in enumerate(calls)], None, True
+            return text or None, None, reason
+        return None, [DeltaToolCall(index=i, id=c.id, type="function",
+                                    function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
+                      for i, c in enumerate(calls)], self.forced.finish_reason(True, reason)

@@ -121,7 +121,7 @@ class LLM:
                              "turn exclude each other; pass add_generation_prompt=False")
         options = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
                    "continue_final_message": continue_final_message, "tools": tools, **(chat_template_kwargs or {})}
-        text = tokenizer.apply_chat_template(conversation, **{**options, "tokenize": False})
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

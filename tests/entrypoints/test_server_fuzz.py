@@ -169,7 +169,10 @@ def test_fuzz_every_endpoint_from_the_openapi_schema(fuzz_server):
     report = "\n".join(f"{op}:\n  " + "\n  ".join(problems) for op, problems in findings.by_operation.items())
     assert not findings.by_operation, report
     served = {op for (op, status), n in findings.statuses.items() if status == 200}
-    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= served  # generation itself was reached
+    # Generation itself was reached. Not necessarily on both routes: most generated completions
+    # bodies are rightly refused (an empty prompt, token ids past the vocabulary, a prompt past the
+    # 96-token context), and which ones hypothesis draws changes with every field the schema gains.
+    assert served & {"POST /v1/completions", "POST /v1/chat/completions"}, findings.statuses
     assert engine.num_step_errors == 0
     assert wait_engine_idle(engine, 30), engine.get_stats()  # aborted streams too: every block is free
     engine.engine.check_integrity()

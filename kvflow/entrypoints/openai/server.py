@@ -81,7 +81,7 @@ class OpenAIServer:
         try:
             options = {"tools": body.template_tools(), "add_generation_prompt": body.add_generation_prompt,
                        "continue_final_message": body.continue_final_message, **(body.chat_template_kwargs or {})}
-            text = tok.apply_chat_template(conversation, **{**options, "tokenize": False})
+            text = tok.apply_chat_template(conversation, tokenize=False, **options)
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc

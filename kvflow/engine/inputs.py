@@ -45,3 +45,26 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, li
     if isinstance(prompt, list):
         return None, [int(t) for t in prompt]
     raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Refuse prompt ids the model's embedding does not have (before anything reads them)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        raise ValueError(f"prompt: token ids must be in [0, {vocab_size}), got {min(token_ids)}..{max(token_ids)}")
+
+
+def check_chat_options(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: continuing the last message and adding a new assistant turn "
+                         "exclude each other; set add_generation_prompt to false")
+
+
+def render_chat(tokenizer: Any, conversation: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template's text for a conversation, as vLLM renders it (`LLM.chat` and the chat route):
+    chat_template_kwargs may carry the template's own options too, and win; `tokenize` stays False."""
+    check_chat_options(add_generation_prompt, continue_final_message)
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "tools": tools, "chat_template": chat_template, **(chat_template_kwargs or {})}
+    return tokenizer.apply_chat_template(conversation, tokenize=False, **options)

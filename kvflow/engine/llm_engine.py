@@ -26,7 +26,7 @@ from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_
 from kvflow.device import resolve_device
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads
-from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
+from kvflow.engine.inputs import PromptInput, check_prompt_token_ids, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_placement import build_runner, place_model
@@ -145,8 +145,7 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt: the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
+        check_prompt_token_ids(token_ids, vocab)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "

@@ -6,6 +6,7 @@ import itertools
 from typing import Any, Sequence as Seq
 
 from kvflow.config import EngineConfig
+from kvflow.engine.inputs import render_chat
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
@@ -116,12 +117,9 @@ class LLM:
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
                 raise ValueError("messages: every message needs 'role' and 'content' (or 'tool_calls')")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: continuing the last message and adding a new assistant "
-                             "turn exclude each other; pass add_generation_prompt=False")
-        options = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
-                   "continue_final_message": continue_final_message, "tools": tools, **(chat_template_kwargs or {})}
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+        text = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
+                           chat_template_kwargs=chat_template_kwargs)
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

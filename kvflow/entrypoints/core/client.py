@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.engine.inputs import PromptInput, load_tokenizer_or_none, tokenize_prompt
+from kvflow.engine.inputs import PromptInput, check_prompt_token_ids, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.request_state import EngineStats
 from kvflow.entrypoints.request_stream import EngineDeadError, RequestStream, _put_all, _resolve
 from kvflow.entrypoints.core import wire
@@ -141,8 +141,7 @@ class EngineCoreClient:
         self._check_alive()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         # Token ids are checked here as the core would, before this side's detokenizer reads them.
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}")
+        check_prompt_token_ids(ids, self.vocab_size)
         if params is not None:
             params.check_token_ids(self.vocab_size)
         loop = asyncio.get_running_loop()

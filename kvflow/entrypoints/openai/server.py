@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from kvflow.engine.inputs import check_chat_options, render_chat
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
@@ -75,13 +76,11 @@ class OpenAIServer:
             raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
                                         param="messages")
         conversation = [m.to_template_dict() for m in body.messages]
-        if body.continue_final_message and body.add_generation_prompt:
-            raise p.InvalidRequestError("continue_final_message: set add_generation_prompt to false to continue "
-                                        "the last message", param="continue_final_message")
+        check_chat_options(body.add_generation_prompt, body.continue_final_message)  # a 400 naming that field
         try:
-            options = {"tools": body.template_tools(), "add_generation_prompt": body.add_generation_prompt,
-                       "continue_final_message": body.continue_final_message, **(body.chat_template_kwargs or {})}
-            text = tok.apply_chat_template(conversation, tokenize=False, **options)
+            text = render_chat(tok, conversation, add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message, tools=body.template_tools(),
+                               chat_template_kwargs=body.chat_template_kwargs)
         except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc

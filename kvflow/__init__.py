@@ -2,9 +2,10 @@
 
 from kvflow.config import EngineConfig
 from kvflow.entrypoints.llm import LLM
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]

@@ -200,6 +200,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "uni" for one rank, else "mp"
+    # LoRA adapters (vLLM's names; kvflow.lora): requests may name a PEFT adapter to run with.
+    # max_loras: distinct adapters in one batch; max_lora_rank: the largest rank accepted;
+    # max_cpu_loras: loaded adapters kept while no request uses them (default max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         from kvflow.layers.kv_int8 import check_kv_cache_dtype
@@ -212,6 +219,9 @@ class EngineConfig:
         from kvflow.distributed.config import ParallelConfig
 
         ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend)
+        from kvflow.lora.request import LoRAConfig
+
+        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # refuses bad LoRA options
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -224,3 +234,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+
+    @property
+    def lora_config(self):
+        """kvflow.lora.LoRAConfig when enable_lora, else None."""
+        from kvflow.lora.request import LoRAConfig
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None

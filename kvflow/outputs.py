@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -45,3 +46,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # kvflow's addition: each prompt token's rank at its position (1 = most likely), None for the first.
     prompt_token_ranks: list[int | None] | None = None
+    lora_request: Any = None  # the kvflow.lora.LoRARequest the request ran with; None: the base model

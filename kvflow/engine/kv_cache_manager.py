@@ -40,6 +40,8 @@ class PrefixCacheStats:
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """A block's chain hash: its parent's, or for a first block the sequence's `hash_root` (None for
+    the base model's K/V), then its token ids."""
     digest = hashlib.sha256(parent_hash or b"kvflow")
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return digest.digest()
@@ -131,7 +133,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_slice(i * bs, (i + 1) * bs)))
+            hashes.append(hash_block(hashes[-1] if hashes else seq.hash_root, seq.token_slice(i * bs, (i + 1) * bs)))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:

@@ -29,7 +29,7 @@ from kvflow.engine.cpu_threads import set_compute_threads
 from kvflow.engine.inputs import PromptInput, check_prompt_token_ids, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan
-from kvflow.engine.model_placement import build_runner, place_model
+from kvflow.engine.model_placement import build_lora_manager, build_runner, place_model
 from kvflow.engine.model_runner import SampledTokens, StepOutput
 from kvflow.engine.parallel_sampling import SampleGroups, prompt_tokens_computed
 from kvflow.engine.request_state import EngineStats, RequestState, make_output
@@ -38,6 +38,7 @@ from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.step_shape import StepShape, step_shape
 from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.detokenizer import CompletionText
 from kvflow.sampling.logits_processors import bad_words_token_ids
@@ -82,12 +83,15 @@ class LLMEngine:
         if eos is not None and eos not in self.eos_token_ids:
             self.eos_token_ids.append(eos)
         self.kv_cache_manager = KVCacheManager(self.plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        lora_config = config.lora_config
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            max_loras=lora_config.max_loras if lora_config else None),
             self.kv_cache_manager,
         )
         self.runner = build_runner(placement, config, self.model_config, self.kv_cache_manager, self.dtype,
                                    self.eos_token_ids, self.max_model_len)
+        self.lora = build_lora_manager(config, placement, self.runner) if lora_config else None
         self.speculator = None
         if spec is not None:
             draft = None
@@ -137,7 +141,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        """Queue a request; ValueError naming the field when something in it cannot be served
+        (`lora_request`: an adapter that does not load or fit the model is refused here)."""
         if request_id in self._requests or request_id in self.sample_groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -158,10 +165,16 @@ class LLMEngine:
         arrival_time = arrival_time or time.time()
         if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
             self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: this engine serves no LoRA adapters; start it with enable_lora=True "
+                                 "(kvflow serve --enable-lora)")
+            self.lora.add_adapter(lora_request, {r.seq.lora_int_id for r in self._requests.values()})
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text,
-                           bad_words_token_ids=bad_words)
+                           bad_words_token_ids=bad_words, lora_request=lora_request,
+                           hash_root=lora_request.hash_root if lora_request is not None else None)
             if p.structured_outputs is not None:  # every sample walks the grammar on its own
                 seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
             # detokenize=False (the engine core of a split server): the API process makes the text.

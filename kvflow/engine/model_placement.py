@@ -87,3 +87,19 @@ def build_runner(placement: ModelPlacement, config: EngineConfig, model_config: 
     if placement.device.type == "cuda" and not config.enforce_eager:
         runner.capture_decode_graphs(max_model_len, config.max_num_seqs)
     return runner
+
+
+def build_lora_manager(config: EngineConfig, placement: ModelPlacement, runner: ModelRunner):
+    """The LoRA manager over the in-process model (kvflow.lora), attached to `runner`; the
+    layouts it cannot serve yet are refused by name."""
+    if placement.distributed:
+        raise ValueError("enable_lora: LoRA adapters run with one rank only for now "
+                         "(tensor_parallel_size = pipeline_parallel_size = 1)")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError("enable_lora: not with a draft model's speculative decoding yet (its draft would run "
+                         "without the adapter); n-gram speculation works")
+    from kvflow.lora.manager import LoRAManager
+
+    runner.lora = LoRAManager(placement.model, placement.model.config, config.lora_config, placement.device)
+    return runner.lora

@@ -11,7 +11,8 @@ Only those rows go through the LM head and the sampler. A speculating sequence's
 follow its last token in the same row of the batch, like a short prefill chunk; its last
 1 + k positions are all sampled rows, and the rejection sampler decides which drafts stand.
 A request with prompt_logprobs also sends its chunk's prompt rows through the LM head, a
-slice at a time (`prompt_logprobs.py`).
+slice at a time (`prompt_logprobs.py`). With LoRA adapters, the LoRA manager learns each row's
+adapter before the forward pass (kvflow/lora/manager.py).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class ModelRunner:
             model_config.num_hidden_layers, kv_cache_manager.num_blocks, self.block_size,
             model_config.num_key_value_heads, model_config.head_dim, dtype, kv_cache_dtype)
         self.decode_graphs = None  # CUDA graphs of decode steps, once captured
+        self.lora = None  # kvflow.lora.LoRAManager when the engine serves adapters
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
 
@@ -169,7 +171,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
         host = self.prepare_inputs(out)
-        if self.decode_graphs is not None and self.decode_graphs.fits(host.attn_metadata):
+        lora_rows = self.lora is not None and self.lora.set_step([it.seq.lora_int_id for it in out.scheduled],
+                                                                 [it.num_new_tokens for it in out.scheduled])
+        if self.decode_graphs is not None and not lora_rows and self.decode_graphs.fits(host.attn_metadata):
             hidden = self.decode_graphs.run(host.input_ids, host.positions, host.attn_metadata)
             inputs = dataclasses.replace(host, logits_indices=host.logits_indices.to(self.device))
         else:

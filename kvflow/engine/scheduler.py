@@ -5,8 +5,10 @@ There are no prefill or decode phases, only a token budget per step
 then unfinished prefills, whose remaining prompt is cut to what the budget has left
 (chunked prefill). Then waiting requests are admitted, in priority/arrival order, while
 `max_num_seqs`, the budget and free KV blocks allow (keeping one free block per running
-sequence as headroom, so an admission does not force a preemption on the next decode); each starts after the longest prefix
-the cache already holds. When a running sequence needs a block and none is free, the
+sequence as headroom, so an admission does not force a preemption on the next decode); each
+starts after the longest prefix the cache already holds. A LoRA request whose adapter would
+make more than `max_loras` distinct adapters run at once waits, and the requests behind it
+may pass. When a running sequence needs a block and none is free, the
 lowest-priority running sequence (latest arrival under FCFS) is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later. Under pipeline
 parallelism several batches are in flight at once (engine/batch_queue.py): the sequences of
@@ -34,6 +36,8 @@ class SchedulerConfig:
     # Free blocks kept per running sequence when admitting a new one: without this headroom an
     # admission can fill the pool, and the next decode step preempts (thrashing near a full cache).
     admission_headroom_blocks: int = 1
+    # Distinct LoRA adapters among the running sequences (vLLM's max_loras); None: no adapters served.
+    max_loras: int | None = None
 
 
 @dataclass
@@ -133,11 +137,16 @@ class Scheduler:
             scheduled_ids[seq.request_id] = item
             budget -= num_new
 
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        loras = {s.lora_int_id for s in self.running} - {0}
+        index = 0  # waiting[:index] are LoRA requests passed over: their adapter would exceed max_loras
+        while (index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(out.scheduled) < cap):
-            seq = self.waiting[0]
+            seq = self.waiting[index]
             if seq in out.preempted:
                 break  # do not bounce a sequence straight back in the step that evicted it
+            if seq.lora_int_id and seq.lora_int_id not in loras and len(loras) >= (self.config.max_loras or 0):
+                index += 1  # its turn comes when a running adapter's last sequence leaves
+                continue
             cached = self.kv.find_cached_prefix(seq)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -153,7 +162,9 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(seq.num_prompt_tokens, num_cached)
                 seq.first_scheduled_time = time.time()
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             out.scheduled.append(ScheduledSequence(seq, num_new))

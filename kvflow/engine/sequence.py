@@ -69,10 +69,20 @@ class Sequence:
     # SamplingParams.bad_words as token ids, spelled by the engine's tokenizer at admission
     # (sampling/logits_processors.py bans each word's last token after its others).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # The LoRA adapter (kvflow.lora.LoRARequest) the model runs this sequence with; None: the base model.
+    lora_request: Any = None
+    # The prefix cache's chain root (kv_cache_manager.hash_block): None for the base model's K/V;
+    # an adapter's or a cache_salt's own, so their blocks are found by nobody else.
+    hash_root: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def all_token_ids(self) -> list[int]:

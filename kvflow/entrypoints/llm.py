@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from kvflow.config import EngineConfig
 from kvflow.engine.inputs import render_chat
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 
@@ -49,8 +50,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. `lora_request`: the LoRA
+        adapter to run with (engine started with `enable_lora=True`), one for all prompts or one
+        (or None, the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -68,11 +72,16 @@ class LLM:
         params_list = [params.with_defaults(defaults) for params in params_list]
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts; pass one or one per prompt")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+                self.engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # leave the engine as it was: no half-submitted batch
@@ -91,6 +100,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
@@ -104,7 +114,7 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
                                             continue_final_message=continue_final_message, tools=tools,
                                             chat_template_kwargs=chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True, *,
                             chat_template: str | None = None, continue_final_message: bool = False,

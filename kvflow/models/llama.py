@@ -112,6 +112,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor; loaded under the embedding's name
         self.fused_stack = None  # see fuse_stack()
+        # Cleared for a step the fused stack cannot run as is: rows with a LoRA adapter (lora/manager.py).
+        self.use_fused_stack = True
 
     def forward(
         self,
@@ -121,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.fused_stack is not None:
+        if self.fused_stack is not None and self.use_fused_stack:
             hidden = self.fused_stack(x, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

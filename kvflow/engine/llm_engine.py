@@ -166,10 +166,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
             self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
         if lora_request is not None:
-            if self.lora is None:
-                raise ValueError("lora_request: this engine serves no LoRA adapters; start it with enable_lora=True "
-                                 "(kvflow serve --enable-lora)")
-            self.lora.add_adapter(lora_request, {r.seq.lora_int_id for r in self._requests.values()})
+            self.add_lora(lora_request)
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text,
@@ -188,6 +185,23 @@ class LLMEngine:
             return
         req = self._requests[request_id] = make(request_id, params)
         self.scheduler.add(req.seq)
+
+    # ---- LoRA adapters (vLLM's names) ------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (a request naming it loads it too); ValueError when it cannot serve."""
+        if self.lora is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters; start it with enable_lora=True "
+                             "(kvflow serve --enable-lora)")
+        self.lora.add_adapter(lora_request, {r.seq.lora_int_id for r in self._requests.values()})
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter no request uses; False when it is not loaded or still in use."""
+        in_use = any(r.seq.lora_int_id == lora_int_id for r in self._requests.values())
+        return self.lora is not None and not in_use and self.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.adapters) if self.lora is not None else set()
 
     def compile_structured_output(self, params: SamplingParams) -> None:
         """Compile `params`' output constraint into the grammar cache; StructuredOutputError if it cannot be served.

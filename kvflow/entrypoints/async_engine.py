@@ -32,6 +32,7 @@ from kvflow.engine.request_state import EngineStats
 from kvflow.entrypoints.request_stream import (EngineDeadError, EngineOverloadedError, EngineStepError,  # noqa: F401
                                                RequestStream, _put_all, _resolve)
 from kvflow.loader.generation_config import SamplingDefaults
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 
@@ -47,6 +48,7 @@ class _AddCommand:
     priority: int
     stream: RequestStream
     future: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -149,6 +151,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request; returns its output stream once the engine accepted it.
 
@@ -169,7 +172,8 @@ class AsyncEngine:
             await prepare_kv_transfer(self, prompt, kv_transfer_params)
         stream = RequestStream(request_id, self, loop)
         future: asyncio.Future = loop.create_future()
-        cmd = _AddCommand(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), priority, stream, future)
+        cmd = _AddCommand(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), priority, stream,
+                          future, lora_request)
         self._submit(cmd)
         try:
             await future
@@ -280,7 +284,8 @@ class AsyncEngine:
                 waiting = self.engine.num_waiting_requests()
                 if waiting >= self.max_waiting:
                     raise EngineOverloadedError(waiting, self.max_waiting)
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority,
+                                    cmd.lora_request)
         except Exception as exc:  # ValueError (bad prompt), overload, anything: back to the caller
             _resolve(cmd.future, exc)
             return

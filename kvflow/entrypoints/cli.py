@@ -57,6 +57,12 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
                         "and --tool-call-parser reads the calls it writes (refused otherwise)")
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format: hermes (<tool_call> JSON blocks; Qwen2.5, Qwen3)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served under their own model names (needs --enable-lora); also vLLM's "
+                        "JSON form '{\"name\": ..., \"path\": ...}'")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     g.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=run_serve)
 
@@ -75,6 +81,12 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
 
         make_tool_parser(args.tool_call_parser)  # an unknown name fails here, before the weights load
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.lora_modules:
+        from kvflow.entrypoints.openai.adapters import ServedModels
+
+        ServedModels.from_specs("", args.lora_modules)  # a bad entry or folder fails here, before the weights load
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
     kv_transfer = None
     if args.kv_transfer_config is not None:  # checked before the weights load
@@ -95,7 +107,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, lora_modules=args.lora_modules,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     url = f"http://{args.host}:{args.port}"
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     # The engine has already logged the KV cache plan while loading.

@@ -83,6 +83,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(keys: method, num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size, "
                         "min_mean_accepted; see docs/architecture.md)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) over the model, chosen per request")
+    g.add_argument("--max-loras", type=int, default=1, help="LoRA: distinct adapters in one batch (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: the largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA: loaded adapters kept while no request uses them (default --max-loras)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -92,8 +92,12 @@ def test_parser_has_subcommands_and_engine_options():
     (["--enable-auto-tool-choice"], "go together"),
     (["--tool-call-parser", "hermes"], "go together"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "qwen"], "unknown parser 'qwen'; supported: hermes"),
+    (["--lora-modules", "a=/tmp"], "need --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], "is not name=path"),
+    (["--enable-lora", "--lora-modules", "a=/nonexistent/adapter"], "is not a directory"),
+    (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
 ])
-def test_tool_call_flags_are_checked_before_the_weights_load(flags, message):
+def test_tool_call_and_lora_flags_are_checked_before_the_weights_load(flags, message):
     args = cli.build_parser().parse_args(["serve", "--model", "/nonexistent", *flags])
     with pytest.raises(ValueError, match=message):
         cli.run_serve(args)

@@ -39,6 +39,7 @@ from kvflow.entrypoints.request_stream import EngineDeadError, RequestStream, _p
 from kvflow.entrypoints.core import wire
 from kvflow.entrypoints.core.assembler import OutputAssembler
 from kvflow.loader.generation_config import SamplingDefaults
+from kvflow.lora.request import LoRARequest
 from kvflow.sampling.params import SamplingParams
 
 logger = logging.getLogger("kvflow")
@@ -136,7 +137,8 @@ class EngineCoreClient:
     # ---- the asyncio side ------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                           arrival_time: float | None = None, priority: int = 0,
-                          kv_transfer_params: dict | None = None) -> RequestStream:
+                          kv_transfer_params: dict | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """As `AsyncEngine.add_request`; the prompt is tokenized here, then sent to the core."""
         self._check_alive()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
@@ -159,7 +161,7 @@ class EngineCoreClient:
             core_params = {**wire.encode_params(params), "stop": [], "detokenize": False}
             try:
                 self._send((wire.ADD, request_id, text, ids, core_params, arrival_time or time.time(),
-                            priority, kv_transfer_params))
+                            priority, kv_transfer_params, wire.encode_lora(lora_request)))
             except OverflowError:  # msgpack packs integers of 64 bits at most
                 raise ValueError("prompt: a number in the request (a token id, the priority) does not fit in "
                                  "64 bits") from None

@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 
 from kvflow.engine.llm_engine import EngineStats
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import SpecDecodeStats
@@ -57,6 +58,14 @@ def decode_params(data: dict[str, Any]) -> SamplingParams:
     if so is not None:
         data = {**data, "structured_outputs": StructuredOutputsParams(**so)}
     return SamplingParams(**data)
+
+
+def encode_lora(request: LoRARequest | None) -> list | None:
+    return None if request is None else [request.lora_name, request.lora_int_id, request.lora_path]
+
+
+def decode_lora(data: list | None) -> LoRARequest | None:
+    return None if data is None else LoRARequest(*data)
 
 
 # ---- stats --------------------------------------------------------------------------------------

@@ -115,16 +115,24 @@ class ChoiceStates:
         return sum(s.sent_tokens for s in self.states.values())
 
 
+def engine_extras(kv_transfer_params: dict | None, lora_request: Any) -> dict[str, Any]:
+    """The optional `add_request` arguments a request carries (engines that lack them are never sent them)."""
+    extra: dict[str, Any] = {}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
+    if lora_request is not None:
+        extra["lora_request"] = lora_request
+    return extra
+
+
 async def submit_all(engine: Any, prefix: str, prompts: list[tuple[str | None, list[int]]],
                      params: list[SamplingParams], priority: int,
-                     kv_transfer_params: dict | None = None) -> tuple[str, list[Any]]:
+                     kv_transfer_params: dict | None = None, lora_request: Any = None) -> tuple[str, list[Any]]:
     """Submit one engine request per prompt; all or none (a refused prompt aborts the others)."""
-    extra = {}
-    if kv_transfer_params is not None:
-        if len(prompts) != 1:
-            raise p.InvalidRequestError("kv_transfer_params: only a single prompt can be disaggregated",
-                                        param="kv_transfer_params")
-        extra = {"kv_transfer_params": kv_transfer_params}
+    if kv_transfer_params is not None and len(prompts) != 1:
+        raise p.InvalidRequestError("kv_transfer_params: only a single prompt can be disaggregated",
+                                    param="kv_transfer_params")
+    extra = engine_extras(kv_transfer_params, lora_request)
     base = f"{prefix}-{uuid.uuid4().hex}"
     streams: list[Any] = []
     try:

@@ -362,6 +362,7 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvflow"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     # kvflow's extension: what fills a request's unset sampling fields, and where it came from.
     sampling_defaults: dict[str, Any] = Field(default_factory=dict)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
 
-`build_app` wires one engine to one app: /v1/models, /v1/completions, /v1/chat/completions
+`build_app` wires one engine to one app: /v1/models (the base model and its LoRA adapters,
+adapters.py), /v1/completions, /v1/chat/completions
 (JSON or SSE streaming in OpenAI's chunk format), /tokenize and /detokenize (vLLM's),
 /health, /metrics and /version. Every error
 leaves in OpenAI's shape {"error": {message, type, param, code}} with the status an OpenAI
@@ -28,6 +29,7 @@ from kvflow.engine.inputs import check_chat_options, render_chat
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.adapters import ServedModels, register_adapter_routes, runtime_updating_allowed
 from kvflow.entrypoints.openai.auth import APIKeyMiddleware
 from kvflow.entrypoints.openai.dashboard import register_dashboard
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
@@ -39,6 +41,7 @@ from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response 
 from kvflow.entrypoints.openai.structured import name_field
 from kvflow.entrypoints.openai.tokenization import register_tokenization
 from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.backend import StructuredOutputError
@@ -50,16 +53,15 @@ logger = logging.getLogger("kvflow")
 class OpenAIServer:
     """Request handling shared by the routes: validation, submission, collection, formatting."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics, tool_parser: Any = None) -> None:
-        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+    def __init__(self, engine: AsyncEngine, models: ServedModels, metrics: ServerMetrics, tool_parser: Any = None) -> None:
+        self.engine, self.models, self.metrics = engine, models, metrics  # models: the base and its adapters
         self.tool_parser = tool_parser  # reads the calls of tool_choice "auto" (tool_parsers.py); None: refused
         self.decode_token = functools.lru_cache(maxsize=1 << 16)(self._decode_token)  # logprobs repeat tokens
 
     # ---- request preparation -----------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise p.InvalidRequestError(f"The model `{model}` does not exist.", param="model", status=404,
-                                        code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
+        return self.models.resolve(model)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, list):
@@ -99,11 +101,11 @@ class OpenAIServer:
 
     async def submit(self, prefix: str, text: str | None, ids: list[int], params: SamplingParams,
                      priority: int, structured_field: str | None = None,
-                     kv_transfer_params: dict | None = None) -> RequestStream:
+                     kv_transfer_params: dict | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Hand the request to the engine; a constraint that does not compile is a 400 naming `structured_field`."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         with structured_output_errors(structured_field):
-            extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else {}
+            extra = c.engine_extras(kv_transfer_params, lora_request)
             return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
                                                  priority=priority, **extra)
 
@@ -167,7 +169,7 @@ class OpenAIServer:
     # ---- /v1/completions ------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, raw: Request) -> Response:
         """One engine request per prompt (a list of prompts is a batch), n samples each (choices.py)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         prompts = [self.tokenize_prompt(prompt) for prompt in c.prompt_list(body.prompt)]
         params = [self.sampling_params(body, len(ids)) for _, ids in prompts]
         c.check_best_of(body.best_of, params[0].n)
@@ -175,7 +177,7 @@ class OpenAIServer:
             params = [c.with_prompt_logprobs(sp, body.logprobs) for sp in params]
         with structured_output_errors(body.structured_output_field):
             request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority,
-                                                     body.kv_transfer_params)
+                                                     body.kv_transfer_params, lora)
         echoes = [self.echo_text(text, ids) if body.echo else "" for text, ids in prompts]
         if body.stream:
             return sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
@@ -195,14 +197,14 @@ class OpenAIServer:
                     index=i * n + comp.index, text=echoes[i] + comp.text, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                     prompt_logprobs=self.prompt_logprobs(out) if body.prompt_logprobs is not None else None))
-        resp = p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        resp = p.CompletionResponse(id=request_id, model=self.models.response_name(body.model), choices=choices,
                                     usage=c.usage([len(ids) for _, ids in prompts], outs))
         return _json(resp)
 
     async def _completion_events(self, request_id: str, streams: list[RequestStream], raw: Request,
                                  body: p.CompletionRequest, params: SamplingParams,
                                  prompts: list[tuple[str | None, list[int]]], echoes: list[str]) -> AsyncIterator[str]:
-        created, k = int(time.time()), params.logprobs
+        created, k, model = int(time.time()), params.logprobs, self.models.response_name(body.model)
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
 
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -210,7 +212,7 @@ class OpenAIServer:
         def chunk(index: int, text: str, **kw: Any) -> str:
             choice = p.CompletionChoice(index=index, text=text, **kw)
             usage = p.UsageInfo.of(prompt_tokens, states.completion_tokens()) if body.continuous_usage else None
-            return sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+            return sse(p.CompletionStreamResponse(id=request_id, created=created, model=model,
                                                    choices=[choice], usage=usage))
 
         try:
@@ -238,7 +240,7 @@ class OpenAIServer:
                                         stop_reason=comp.stop_reason if finished else None)
             if body.include_usage:
                 usage = p.UsageInfo.of(prompt_tokens, states.completion_tokens())
-                yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=model,
                                                       choices=[], usage=usage))
         except ClientDisconnected:
             return
@@ -248,12 +250,12 @@ class OpenAIServer:
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.use_tool_parser(self.tool_parser)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
         stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field,
-                                   body.kv_transfer_params)
+                                   body.kv_transfer_params, lora)
         if body.stream:
             return sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)
@@ -265,7 +267,7 @@ class OpenAIServer:
             content, calls, reason = shape.message(comp.text, comp.finish_reason)
             choices.append(p.ChatChoice(index=comp.index, message=p.ChatResponseMessage(content=content, tool_calls=calls),
                                         logprobs=logprobs, finish_reason=reason, stop_reason=comp.stop_reason))
-        resp = p.ChatCompletionResponse(id=stream.request_id, model=self.model_name, choices=choices,
+        resp = p.ChatCompletionResponse(id=stream.request_id, model=self.models.response_name(body.model), choices=choices,
                                         usage=c.usage([len(ids)], [out]), prompt_logprobs=self.prompt_logprobs(out))
         return _json(resp)
 
@@ -278,8 +280,8 @@ class OpenAIServer:
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             if usage is None and body.continuous_usage:
                 usage = p.UsageInfo.of(prompt_len, states.completion_tokens())
-            return sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
-                                              choices=choices, usage=usage))
+            return sse(p.ChatCompletionChunk(id=stream.request_id, created=created,
+                                              model=self.models.response_name(body.model), choices=choices, usage=usage))
 
         try:
             for j in range(params.n):
@@ -327,13 +329,16 @@ def _json(model: p.OpenAIModel) -> Response:
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               metrics: ServerMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, lora_modules: list[str] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """An app serving `engine` as model `served_model_name`; /v1 routes need `api_key` if given;
-    `tool_call_parser` (a name in tool_parsers.PARSERS) serves tool_choice "auto"."""
+    `tool_call_parser` (a name in tool_parsers.PARSERS) serves tool_choice "auto"; `lora_modules`
+    ("name=path") serve LoRA adapters under their own names (adapters.py)."""
     from kvflow import __version__
 
     metrics = metrics or ServerMetrics(served_model_name)
-    server = OpenAIServer(engine, served_model_name, metrics, tool_parser=make_tool_parser(tool_call_parser))
+    models = ServedModels.from_specs(served_model_name, lora_modules)
+    server = OpenAIServer(engine, models, metrics, tool_parser=make_tool_parser(tool_call_parser))
     app = FastAPI(title="kvflow", version=__version__)
     app.state.kvflow = server
     if api_key:
@@ -365,13 +370,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                            sampling_defaults_source=defaults.source)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return p.ModelList(data=[model_card()]).model_dump()
+    async def list_models() -> dict[str, Any]:
+        return p.ModelList(data=models.cards(model_card())).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         server.check_model(model_id)
-        return model_card().model_dump()
+        return next(card for card in models.cards(model_card()) if card.id == model_id).model_dump()
+
+    if runtime_updating_allowed(allow_runtime_lora_updating):
+        register_adapter_routes(app, models, engine)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, raw: Request) -> Response:

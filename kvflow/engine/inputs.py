@@ -47,6 +47,14 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, li
     raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
+def cache_salt_of(prompt: PromptInput) -> str | None:
+    """vLLM's `cache_salt` prompt key: a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt: must be a non-empty string")
+    return salt
+
+
 def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
     """Refuse prompt ids the model's embedding does not have (before anything reads them)."""
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):

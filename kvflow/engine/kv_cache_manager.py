@@ -47,6 +47,16 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+def chain_root(lora_int_id: int = 0, cache_salt: str | None = None) -> bytes | None:
+    """The root of a sequence's hash chain: None (the base model's K/V, unsalted) unless it runs a
+    LoRA adapter, whose K/V are its own, or carries a cache_salt, whose blocks only requests with
+    the same salt may find. The salt comes last, so no two (adapter, salt) pairs share a root."""
+    if not lora_int_id and cache_salt is None:
+        return None
+    root = b"kvflow" + (b"/lora:%d" % lora_int_id if lora_int_id else b"")
+    return root + (b"/salt:" + cache_salt.encode() if cache_salt is not None else b"")
+
+
 class BlockPool:
     """Blocks, their reference counts, the LRU free queue and the hash -> block index."""
 

@@ -26,8 +26,9 @@ from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_
 from kvflow.device import resolve_device
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads
-from kvflow.engine.inputs import PromptInput, check_prompt_token_ids, load_tokenizer_or_none, tokenize_prompt
-from kvflow.engine.kv_cache_manager import KVCacheManager
+from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt_token_ids, load_tokenizer_or_none,
+                                  tokenize_prompt)
+from kvflow.engine.kv_cache_manager import KVCacheManager, chain_root
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_placement import build_lora_manager, build_runner, place_model
 from kvflow.engine.model_runner import SampledTokens, StepOutput
@@ -149,6 +150,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
+        hash_root = chain_root(lora_request.lora_int_id if lora_request is not None else 0, cache_salt_of(prompt))
         if not token_ids:
             raise ValueError("prompt: the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
@@ -170,8 +172,7 @@ class LLMEngine:
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text,
-                           bad_words_token_ids=bad_words, lora_request=lora_request,
-                           hash_root=lora_request.hash_root if lora_request is not None else None)
+                           bad_words_token_ids=bad_words, lora_request=lora_request, hash_root=hash_root)
             if p.structured_outputs is not None:  # every sample walks the grammar on its own
                 seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
             # detokenize=False (the engine core of a split server): the API process makes the text.

@@ -20,11 +20,6 @@ class LoRARequest:
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
 
-    @property
-    def hash_root(self) -> bytes:
-        """The prefix cache's chain root for this adapter: its K/V is its own, never the base model's."""
-        return f"kvflow/lora:{self.lora_int_id}".encode()
-
 
 @dataclass(frozen=True)
 class LoRAConfig:

@@ -106,3 +106,28 @@ def offline_llm(smollm2_fp32):
 def http(live_server):
     with httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=120) as client:
         yield client
+
+
+def check_cache_salt(post, route: str, body: dict) -> None:
+    """vLLM's cache_salt through a server: `post(route, json)` returns the response. A fresh prompt is
+    cached for its own salt only, usage.prompt_tokens_details.cached_tokens says so, and the text is
+    the same whatever the salt."""
+    import uuid
+
+    words = " ".join(uuid.uuid4().hex for _ in range(12))  # a prompt no earlier test sent: several blocks
+    body = {**body, "temperature": 0, "max_tokens": 4}
+    if route.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": words}]
+    else:
+        body["prompt"] = words
+    answers = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a", None):
+        r = post(route, {**body, **({"cache_salt": salt} if salt else {})})
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert cached[0] == cached[1] == cached[3] == 0 and cached[2] > 0, cached
+    texts = [(a["choices"][0].get("text") or a["choices"][0]["message"]["content"]) for a in answers]
+    assert all(t == texts[0] for t in texts)
+    r = post(route, {**body, "cache_salt": ""})
+    assert r.status_code == 400 and "cache_salt" in r.text

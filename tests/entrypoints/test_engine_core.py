@@ -22,7 +22,7 @@ from kvflow.entrypoints.core.client import EngineCoreClient
 from kvflow.entrypoints.openai.server import build_app
 from kvflow.sampling.params import SamplingParams
 
-from .conftest import ENGINE_KWARGS, MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
+from .conftest import ENGINE_KWARGS, MODEL_NAME, check_cache_salt, httpx, start_uvicorn, wait_engine_idle
 
 PROMPT = "The capital of France is"
 
@@ -50,6 +50,11 @@ def stream_events(http, body: dict) -> list:
     with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}) as r:
         assert r.status_code == 200
         return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_cache_salt_crosses_to_the_core(split_server):
+    _, http = split_server
+    check_cache_salt(lambda route, body: http.post(route, json=body), "/v1/chat/completions", {"model": MODEL_NAME})
 
 
 def test_greedy_text_stream_and_usage_match_in_process(split_server, offline_llm):

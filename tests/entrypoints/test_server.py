@@ -19,7 +19,7 @@ import pytest
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.server import TextStreamer, build_app
 
-from .conftest import MODEL_NAME, httpx, start_uvicorn
+from .conftest import MODEL_NAME, check_cache_salt, httpx, start_uvicorn
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -116,6 +116,11 @@ def test_usage_and_finish_reasons(live_server, client):
     ids = client.completions.create(model=MODEL_NAME, prompt=tok(PROMPT).input_ids, max_tokens=5, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert ids.choices[0].text == r.choices[0].text
+
+
+def test_cache_salt_keeps_tenants_apart(live_server, http):
+    check_cache_salt(lambda route, body: http.post(route, json=body), "/v1/completions", {"model": MODEL_NAME})
+    assert live_server.wait_pool_free()
 
 
 def test_stop_string_never_leaks(live_server, client, http):

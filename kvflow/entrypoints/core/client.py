@@ -33,7 +33,8 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.engine.inputs import PromptInput, check_prompt_token_ids, load_tokenizer_or_none, tokenize_prompt
+from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt_token_ids, load_tokenizer_or_none,
+                                  tokenize_prompt)
 from kvflow.engine.request_state import EngineStats
 from kvflow.entrypoints.request_stream import EngineDeadError, RequestStream, _put_all, _resolve
 from kvflow.entrypoints.core import wire
@@ -142,6 +143,7 @@ class EngineCoreClient:
         """As `AsyncEngine.add_request`; the prompt is tokenized here, then sent to the core."""
         self._check_alive()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
+        salt = cache_salt_of(prompt)
         # Token ids are checked here as the core would, before this side's detokenizer reads them.
         check_prompt_token_ids(ids, self.vocab_size)
         if params is not None:
@@ -161,7 +163,7 @@ class EngineCoreClient:
             core_params = {**wire.encode_params(params), "stop": [], "detokenize": False}
             try:
                 self._send((wire.ADD, request_id, text, ids, core_params, arrival_time or time.time(),
-                            priority, kv_transfer_params, wire.encode_lora(lora_request)))
+                            priority, kv_transfer_params, wire.encode_lora(lora_request), salt))
             except OverflowError:  # msgpack packs integers of 64 bits at most
                 raise ValueError("prompt: a number in the request (a token id, the priority) does not fit in "
                                  "64 bits") from None

@@ -136,8 +136,9 @@ class _CoreServer:
     def _dispatch(self, msg: list) -> None:
         kind = msg[0]
         if kind == wire.ADD:
-            _, rid, text, ids, params, arrival, priority, kv_params, lora = msg
-            self.tasks[rid] = asyncio.ensure_future(self._run_request(rid, text, ids, params, arrival, priority,
+            _, rid, text, ids, params, arrival, priority, kv_params, lora, salt = msg
+            prompt = {"prompt": text, "prompt_token_ids": ids, **({"cache_salt": salt} if salt is not None else {})}
+            self.tasks[rid] = asyncio.ensure_future(self._run_request(rid, prompt, params, arrival, priority,
                                                                       kv_params, lora))
         elif kind == wire.ABORT:
             rid = msg[1]
@@ -155,13 +156,12 @@ class _CoreServer:
         else:
             logger.error("engine core: unknown command %r", kind)
 
-    async def _run_request(self, rid: str, text: str | None, ids: list[int], params: dict, arrival: float,
+    async def _run_request(self, rid: str, prompt: dict, params: dict, arrival: float,
                            priority: int, kv_params: dict | None, lora: list | None) -> None:
         try:
             try:
-                stream = await self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids},
-                                                       wire.decode_params(params), arrival, priority, kv_params,
-                                                       wire.decode_lora(lora))
+                stream = await self.engine.add_request(rid, prompt, wire.decode_params(params), arrival, priority,
+                                                       kv_params, wire.decode_lora(lora))
             except asyncio.CancelledError:
                 return  # aborted by the client before it was added: it has forgotten the request
             except Exception as exc:

@@ -63,8 +63,9 @@ def with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
 
 
 def usage(prompt_lens: Sequence[int], outputs: Sequence[RequestOutput]) -> p.UsageInfo:
-    """Each prompt once, every sample's completion."""
-    return p.UsageInfo.of(sum(prompt_lens), sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    """Each prompt once, every sample's completion, and the prompt tokens the prefix cache served."""
+    return p.UsageInfo.of(sum(prompt_lens), sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                          sum(o.num_cached_tokens for o in outputs))
 
 
 class TextDeltas(Protocol):
@@ -115,31 +116,27 @@ class ChoiceStates:
         return sum(s.sent_tokens for s in self.states.values())
 
 
-def engine_extras(kv_transfer_params: dict | None, lora_request: Any) -> dict[str, Any]:
-    """The optional `add_request` arguments a request carries (engines that lack them are never sent them)."""
-    extra: dict[str, Any] = {}
-    if kv_transfer_params is not None:
-        extra["kv_transfer_params"] = kv_transfer_params
-    if lora_request is not None:
-        extra["lora_request"] = lora_request
-    return extra
-
-
 async def submit_all(engine: Any, prefix: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams], priority: int,
-                     kv_transfer_params: dict | None = None, lora_request: Any = None) -> tuple[str, list[Any]]:
-    """Submit one engine request per prompt; all or none (a refused prompt aborts the others)."""
-    if kv_transfer_params is not None and len(prompts) != 1:
+                     params: list[SamplingParams], body: p.SamplingRequest,
+                     lora_request: Any = None) -> tuple[str, list[Any]]:
+    """Submit one engine request per prompt, with the request's priority, cache_salt,
+    kv_transfer_params and LoRA adapter; all or none (a refused prompt aborts the others)."""
+    if body.kv_transfer_params is not None and len(prompts) != 1:
         raise p.InvalidRequestError("kv_transfer_params: only a single prompt can be disaggregated",
                                     param="kv_transfer_params")
-    extra = engine_extras(kv_transfer_params, lora_request)
+    extra: dict[str, Any] = {}  # optional arguments, sent only when set (not every engine takes them)
+    if body.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = body.kv_transfer_params
+    if lora_request is not None:
+        extra["lora_request"] = lora_request
+    salt = {"cache_salt": body.cache_salt} if body.cache_salt is not None else {}
     base = f"{prefix}-{uuid.uuid4().hex}"
     streams: list[Any] = []
     try:
         for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
             request_id = base if len(prompts) == 1 else f"{base}-{i}"
-            streams.append(await engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, sp,
-                                                    priority=priority, **extra))
+            streams.append(await engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids, **salt}, sp,
+                                                    priority=body.priority, **extra))
     except BaseException:
         for stream in streams:
             stream.abort()

@@ -74,6 +74,9 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     # vLLM's field for prefill/decode disaggregation, set by `kvflow router --prefill/--decode`
     # (do_remote_decode for the prefill instance; do_remote_prefill + remote_kv_addr for the decode one).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: salts the prefix cache's hashes, so only requests with the same salt share cached K/V
+    # (a tenant's prompts cannot be probed by another's timing).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -232,15 +235,21 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
 
 
 # ---- responses ------------------------------------------------------------------------------
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int  # prompt tokens whose K/V the prefix cache served
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # in whole responses (OpenAI's field)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "UsageInfo":
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class CompletionLogProbs(OpenAIModel):

@@ -19,7 +19,6 @@ import itertools
 import json
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
@@ -99,16 +98,6 @@ class OpenAIServer:
             return f"token_id:{token_id}"
         return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    async def submit(self, prefix: str, text: str | None, ids: list[int], params: SamplingParams,
-                     priority: int, structured_field: str | None = None,
-                     kv_transfer_params: dict | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
-        """Hand the request to the engine; a constraint that does not compile is a 400 naming `structured_field`."""
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        with structured_output_errors(structured_field):
-            extra = c.engine_extras(kv_transfer_params, lora_request)
-            return await self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                                 priority=priority, **extra)
-
     # ---- consuming a request's outputs --------------------------------------------------------
     async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
         """The request's outputs, recorded in the metrics; aborts it if the client leaves.
@@ -176,8 +165,7 @@ class OpenAIServer:
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs: the engine scores it
             params = [c.with_prompt_logprobs(sp, body.logprobs) for sp in params]
         with structured_output_errors(body.structured_output_field):
-            request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body.priority,
-                                                     body.kv_transfer_params, lora)
+            request_id, streams = await c.submit_all(self.engine, "cmpl", prompts, params, body, lora)
         echoes = [self.echo_text(text, ids) if body.echo else "" for text, ids in prompts]
         if body.stream:
             return sse_response(self._completion_events(request_id, streams, raw, body, params[0], prompts, echoes))
@@ -254,8 +242,8 @@ class OpenAIServer:
         body.use_tool_parser(self.tool_parser)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
-        stream = await self.submit("chatcmpl", text, ids, params, body.priority, body.structured_output_field,
-                                   body.kv_transfer_params, lora)
+        with structured_output_errors(body.structured_output_field):  # a constraint that does not compile: 400
+            _, (stream,) = await c.submit_all(self.engine, "chatcmpl", [(text, ids)], [params], body, lora)
         if body.stream:
             return sse_response(self._chat_events(stream, raw, body, params, len(ids)))
         out = await self.final_output(stream, raw)

@@ -65,7 +65,7 @@ class LatencyResult:
         return d
 
 
-def time_one_request(engine, request_id: str, prompt: list[int], output_len: int) -> Iteration:
+def time_one_request(engine, request_id: str, prompt: list[int], output_len: int, lora_request=None) -> Iteration:
     """Submit one request to an idle engine and time each token as `step()` hands it over."""
     from kvflow.sampling.params import SamplingParams
 
@@ -73,7 +73,7 @@ def time_one_request(engine, request_id: str, prompt: list[int], output_len: int
         raise RuntimeError("bench latency needs an idle engine")
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
-    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=lora_request)
     times: list[float] = []
     cached = 0
     while engine.has_unfinished_requests():
@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up requests (from --warmup-seed)")
     g.add_argument("--dataset-seed", type=int, default=1, help="rng of the timed prompts (W-latency: 1)")
     g.add_argument("--warmup-seed", type=int, default=101, help="rng of the warm-up prompts (must differ)")
+    g.add_argument("--lora-path", default=None, metavar="PATH",
+                   help="run every request with this PEFT LoRA adapter (turns on --enable-lora; ranks above 16 "
+                        "need --max-lora-rank)")
     g.add_argument("--output", help="write the result as JSON here")
 
 
@@ -114,6 +117,11 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
         raise ValueError("--warmup-seed must differ from --dataset-seed (warm-up must not see the timed prompts)")
     if args.num_iters < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-iters, --input-len and --output-len must be at least 1")
+    lora = None
+    if args.lora_path is not None:
+        from kvflow.lora.request import LoRARequest
+
+        config.enable_lora, lora = True, LoRARequest("bench", 1, args.lora_path)
     engine = LLMEngine(config)
     token_range = fit_token_range(WORKLOAD_TOKEN_RANGE, engine.model_config.vocab_size)
     if args.dataset == "grounded":
@@ -128,9 +136,9 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
     for i, prompt in enumerate(warmup):
         if tuple(prompt) in seen:
             raise RuntimeError("a warm-up prompt equals a timed prompt; choose another --warmup-seed")
-        time_one_request(engine, f"latency-warmup-{i}", prompt, args.output_len)
+        time_one_request(engine, f"latency-warmup-{i}", prompt, args.output_len, lora)
     spec0 = engine.get_stats().spec_decode
-    iterations = [time_one_request(engine, f"latency-{i}", p, args.output_len) for i, p in enumerate(timed)]
+    iterations = [time_one_request(engine, f"latency-{i}", p, args.output_len, lora) for i, p in enumerate(timed)]
     result = LatencyResult(
         dtype=numerics_label(engine), output_len=args.output_len,
         input_len=args.input_len if args.dataset == "random" else round(sum(map(len, timed)) / len(timed)),

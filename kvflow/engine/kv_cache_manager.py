@@ -47,14 +47,19 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
-def chain_root(lora_int_id: int = 0, cache_salt: str | None = None) -> bytes | None:
+def chain_root(lora_key: str | None = None, cache_salt: str | None = None) -> bytes | None:
     """The root of a sequence's hash chain: None (the base model's K/V, unsalted) unless it runs a
-    LoRA adapter, whose K/V are its own, or carries a cache_salt, whose blocks only requests with
-    the same salt may find. The salt comes last, so no two (adapter, salt) pairs share a root."""
-    if not lora_int_id and cache_salt is None:
+    LoRA adapter (`lora_key` names it: id and folder, so an id reused for another folder finds
+    none of the old one's blocks) or carries a cache_salt, whose blocks only requests with the
+    same salt may find. Each part is length-prefixed, so no two (adapter, salt) pairs share a root."""
+    if lora_key is None and cache_salt is None:
         return None
-    root = b"kvflow" + (b"/lora:%d" % lora_int_id if lora_int_id else b"")
-    return root + (b"/salt:" + cache_salt.encode() if cache_salt is not None else b"")
+    root = b"kvflow"
+    for tag, part in ((b"lora", lora_key), (b"salt", cache_salt)):
+        if part is not None:
+            data = part.encode()
+            root += b"/%s:%d:%s" % (tag, len(data), data)
+    return root
 
 
 class BlockPool:

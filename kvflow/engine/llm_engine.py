@@ -150,7 +150,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
-        hash_root = chain_root(lora_request.lora_int_id if lora_request is not None else 0, cache_salt_of(prompt))
+        hash_root = chain_root(lora_request.cache_key if lora_request is not None else None, cache_salt_of(prompt))
         if not token_ids:
             raise ValueError("prompt: the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.engine.cpu_threads import release_openmp_threads, set_compute_threads
+from kvflow.engine.inputs import cache_salt_of
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
 from kvflow.engine.request_state import EngineStats
 # The request-side pieces live in request_stream.py (shared with the split server's client); the
@@ -166,6 +167,9 @@ class AsyncEngine:
             # Compile on a worker thread (xgrammar compiles in C++, not holding the GIL throughout), so
             # the engine thread keeps stepping; its add_request then finds the grammar cached.
             await loop.run_in_executor(None, self.engine.compile_structured_output, params)
+        if kv_transfer_params is not None and (lora_request is not None or cache_salt_of(prompt) is not None):
+            raise ValueError("kv_transfer_params: not with a LoRA adapter or a cache_salt yet (the instances would "
+                             "key their blocks apart, and the decode instance would wait for nothing)")
         if kv_transfer_params is not None:  # a consumer loads the prompt's blocks from the producer first
             from kvflow.distributed.kv_transfer.zmq_connector import prepare_kv_transfer
 

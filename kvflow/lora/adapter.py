@@ -84,6 +84,9 @@ def read_adapter_config(path: str) -> dict:
                                                  "only 'none'"),
         (config.get("modules_to_save"), "modules_to_save: adapters that replace whole modules are not supported"),
         (config.get("fan_in_fan_out"), "fan_in_fan_out: only Linear layers' [out, in] weights are supported"),
+        (config.get("lora_bias"), "lora_bias: adapters with a trained bias on B are not supported"),
+        (config.get("alora_invocation_tokens"), "alora_invocation_tokens: activated LoRA (aLoRA) is not supported"),
+        (config.get("layer_replication"), "layer_replication: adapters that replicate layers are not supported"),
     ]
     for refused, message in refusals:
         if refused:
@@ -95,11 +98,14 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
 
-                return load_file(file)
-            return torch.load(file, map_location="cpu", weights_only=True)
+                    return load_file(file)
+                return torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a truncated or foreign file: the request's error, not the server's
+                raise ValueError(f"lora_path: {file} could not be read: {exc}") from None
     raise ValueError(f"lora_path: {path!r} has neither {' nor '.join(WEIGHT_FILES)}")
 
 
@@ -129,7 +135,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         pairs.setdefault((layer, proj), {})[which] = tensor.float()
     if not pairs:
         raise ValueError(f"lora_path: {path!r} holds no LoRA weights")
-    alpha, use_rslora = config.get("lora_alpha", config.get("r", 8)), bool(config.get("use_rslora"))
+    alpha, use_rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora"))  # PEFT's default alpha
     shards: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     rank = 0
     for (layer, proj), ab in sorted(pairs.items()):
@@ -147,7 +153,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise ValueError(f"lora_path: {path!r}: rank {r} ({name}) is above max_lora_rank {max_rank}; "
                              f"start the engine with max_lora_rank >= {r}")
         rank = max(rank, r)
-        module_alpha = _pattern_value(config.get("alpha_pattern"), f"{name}", alpha)
+        block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+        module_alpha = _pattern_value(config.get("alpha_pattern"), f"model.layers.{layer}.{block}.{proj}", alpha)
         scaling = module_alpha / (math.sqrt(r) if use_rslora else r)
         shards.setdefault((layer, fused), []).append((shard, a, b * scaling))
     weights = {}

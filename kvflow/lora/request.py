@@ -14,6 +14,11 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str
 
+    @property
+    def cache_key(self) -> str:
+        """What the prefix cache keys this adapter's K/V by: its id and its folder."""
+        return f"{self.lora_int_id}:{self.lora_path}"
+
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")

@@ -187,6 +187,8 @@ def test_bad_adapters_are_refused_by_name(lora_models, tmp_path):
          "trained biases"),
         (LoRARequest("save", 5, str(edit_adapter_config(root / "all", tmp_path / "save", modules_to_save=["lm_head"]))),
          "modules_to_save"),
+        (LoRARequest("alora", 7, str(edit_adapter_config(root / "all", tmp_path / "alora",
+                                                         alora_invocation_tokens=[5, 6]))), "aLoRA"),
     ]
     for request, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -218,3 +220,44 @@ def test_distributed_layouts_are_refused(lora_models):
     with pytest.raises(ValueError, match="one rank only"):
         LLM(lora_models["path"], dtype="float32", enable_lora=True, tensor_parallel_size=2,
             kv_cache_memory=16 << 20)
+
+
+def test_an_id_reused_for_another_folder_finds_none_of_the_old_blocks(lora_models):
+    """The prefix cache keys an adapter by id and folder: unloading id 1 and loading another adapter
+    under it must not serve the first one's K/V."""
+    llm = engine(lora_models, block_size=4)
+    prompt = prompts(37, 1, 40, 40)[0]
+    generate(llm, [prompt], lora(lora_models, "all", 1))
+    assert llm.engine.remove_lora(1)
+    other = generate(llm, [prompt], LoRARequest("other", 1, str(lora_models["root"] / "qv")))[0]
+    assert other.num_cached_tokens == 0
+    assert_greedy_match(other.outputs[0].token_ids, *reference(lora_models, "qv", prompt), "reused id")
+
+
+def test_alpha_pattern_matches_full_module_names(lora_models, tmp_path):
+    """PEFT matches alpha_pattern keys against the full module name (model.layers.0.self_attn.q_proj)."""
+    from tests.lora.conftest import make_adapter
+
+    make_adapter(lora_models["hf"], tmp_path / "pat", 9, r=8, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                 alpha_pattern={"self_attn.q_proj": 64, r"layers\.1\.mlp\.down_proj": 2})
+    import peft
+
+    ref_model = peft.PeftModel.from_pretrained(lora_models["hf"].__class__.from_pretrained(lora_models["path"]),
+                                               tmp_path / "pat").eval()
+    llm = engine(lora_models)
+    prompt = prompts(41, 1)[0]
+    out = generate(llm, [prompt], LoRARequest("pat", 1, str(tmp_path / "pat")))[0]
+    tokens, gaps, _ = hf_greedy(ref_model, prompt, NEW)
+    assert_greedy_match(out.outputs[0].token_ids, tokens, gaps, "alpha_pattern")
+
+
+def test_an_unreadable_weights_file_is_a_value_error(lora_models, tmp_path):
+    import shutil
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(lora_models["root"] / "all", bad)
+    (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    llm = engine(lora_models)
+    with pytest.raises(ValueError, match="could not be read"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 1, str(bad)))
+    assert not llm.engine.list_loras()

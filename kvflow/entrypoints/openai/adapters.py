@@ -121,9 +121,11 @@ def register_adapter_routes(app: FastAPI, models: ServedModels, engine: Any) -> 
             raise p.InvalidRequestError(str(exc), param="lora_path") from None
         try:  # the weights, checked against the model now rather than at the first request
             await engine.call(functools.partial(_load_in_engine, request=request))
-        except ValueError as exc:
+        except BaseException as exc:
             del models.adapters[body.lora_name]
-            raise p.InvalidRequestError(str(exc), param="lora_path") from None
+            if isinstance(exc, ValueError):
+                raise p.InvalidRequestError(str(exc), param="lora_path") from None
+            raise
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -158,7 +158,7 @@ class OpenAIServer:
     # ---- /v1/completions ------------------------------------------------------------------------
     async def completion(self, body: p.CompletionRequest, raw: Request) -> Response:
         """One engine request per prompt (a list of prompts is a batch), n samples each (choices.py)."""
-        lora = self.check_model(body.model)
+        lora, model = self.check_model(body.model), self.models.response_name(body.model)
         prompts = [self.tokenize_prompt(prompt) for prompt in c.prompt_list(body.prompt)]
         params = [self.sampling_params(body, len(ids)) for _, ids in prompts]
         c.check_best_of(body.best_of, params[0].n)
@@ -185,7 +185,7 @@ class OpenAIServer:
                     index=i * n + comp.index, text=echoes[i] + comp.text, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                     prompt_logprobs=self.prompt_logprobs(out) if body.prompt_logprobs is not None else None))
-        resp = p.CompletionResponse(id=request_id, model=self.models.response_name(body.model), choices=choices,
+        resp = p.CompletionResponse(id=request_id, model=model, choices=choices,
                                     usage=c.usage([len(ids) for _, ids in prompts], outs))
         return _json(resp)
 
@@ -238,7 +238,7 @@ class OpenAIServer:
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
-        lora = self.check_model(body.model)
+        lora, model = self.check_model(body.model), self.models.response_name(body.model)
         body.use_tool_parser(self.tool_parser)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
@@ -255,21 +255,22 @@ class OpenAIServer:
             content, calls, reason = shape.message(comp.text, comp.finish_reason)
             choices.append(p.ChatChoice(index=comp.index, message=p.ChatResponseMessage(content=content, tool_calls=calls),
                                         logprobs=logprobs, finish_reason=reason, stop_reason=comp.stop_reason))
-        resp = p.ChatCompletionResponse(id=stream.request_id, model=self.models.response_name(body.model), choices=choices,
+        resp = p.ChatCompletionResponse(id=stream.request_id, model=model, choices=choices,
                                         usage=c.usage([len(ids)], [out]), prompt_logprobs=self.prompt_logprobs(out))
         return _json(resp)
 
     async def _chat_events(self, stream: RequestStream, raw: Request, body: p.ChatCompletionRequest,
                            params: SamplingParams, prompt_len: int) -> AsyncIterator[str]:
         created, k, shape = int(time.time()), params.logprobs, body.output_shape()
+        model = self.models.response_name(body.model)
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
         shaped = {j: shape.stream() for j in range(params.n)}  # text, or tool calls (tool_calls.py)
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             if usage is None and body.continuous_usage:
                 usage = p.UsageInfo.of(prompt_len, states.completion_tokens())
-            return sse(p.ChatCompletionChunk(id=stream.request_id, created=created,
-                                              model=self.models.response_name(body.model), choices=choices, usage=usage))
+            return sse(p.ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices,
+                                              usage=usage))
 
         try:
             for j in range(params.n):

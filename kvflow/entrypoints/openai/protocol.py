@@ -243,7 +243,7 @@ class UsageInfo(OpenAIModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None  # in whole responses (OpenAI's field)
+    prompt_tokens_details: PromptTokensDetails | None = None  # in final usage (OpenAI's field), not per chunk
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "UsageInfo":

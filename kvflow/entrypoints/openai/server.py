@@ -195,7 +195,7 @@ class OpenAIServer:
         created, k, model = int(time.time()), params.logprobs, self.models.response_name(body.model)
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
 
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        prompt_tokens, cached = sum(len(ids) for _, ids in prompts), [0] * len(prompts)  # cached: per prompt
 
         def chunk(index: int, text: str, **kw: Any) -> str:
             choice = p.CompletionChoice(index=index, text=text, **kw)
@@ -209,6 +209,7 @@ class OpenAIServer:
                     yield chunk(states.index(i, j), echoes[i])
             async with c.merging([self.outputs(stream, raw) for stream in streams]) as items:
                 async for i, out in items:
+                    cached[i] = out.num_cached_tokens
                     for comp in out.outputs:
                         state, index = states.get(i, comp.index), states.index(i, comp.index)
                         if body.echo and k is not None and not state.echoed:  # prompt logprobs came with this output
@@ -227,7 +228,7 @@ class OpenAIServer:
                                         finish_reason=comp.finish_reason if finished else None,
                                         stop_reason=comp.stop_reason if finished else None)
             if body.include_usage:
-                usage = p.UsageInfo.of(prompt_tokens, states.completion_tokens())
+                usage = p.UsageInfo.of(prompt_tokens, states.completion_tokens(), sum(cached))
                 yield sse(p.CompletionStreamResponse(id=request_id, created=created, model=model,
                                                       choices=[], usage=usage))
         except ClientDisconnected:
@@ -265,6 +266,7 @@ class OpenAIServer:
         model = self.models.response_name(body.model)
         states = c.ChoiceStates(params.n, lambda: TextStreamer(params.stop))
         shaped = {j: shape.stream() for j in range(params.n)}  # text, or tool calls (tool_calls.py)
+        cached = 0  # prompt tokens the prefix cache served, for the final usage
 
         def chunk(choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> str:
             if usage is None and body.continuous_usage:
@@ -276,6 +278,7 @@ class OpenAIServer:
             for j in range(params.n):
                 yield chunk([p.ChatStreamChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))])
             async for out in self.outputs(stream, raw):
+                cached = out.num_cached_tokens
                 for comp in out.outputs:
                     state = states.get(0, comp.index)
                     was_done = state.done
@@ -293,7 +296,7 @@ class OpenAIServer:
                         yield chunk([p.ChatStreamChoice(index=comp.index, delta=p.DeltaMessage(),
                                                         finish_reason=reason)])
             if body.include_usage:
-                yield chunk([], usage=p.UsageInfo.of(prompt_len, states.completion_tokens()))
+                yield chunk([], usage=p.UsageInfo.of(prompt_len, states.completion_tokens(), cached))
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:

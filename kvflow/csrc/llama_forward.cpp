@@ -28,6 +28,7 @@
 #include <memory>
 #include <new>
 
+#include "common.h"
 #include "kernels.h"
 
 // The first failing kernel's code is the call's result.
@@ -79,6 +80,22 @@ struct KvflowLlamaShape {
     int64_t kv_int8;  // 1: the KV caches are int8 with scales (layers/kv_int8.py), else in `dtype`
 };
 
+// One LoRA adapter's delta on one projection (kvflow/lora/layers.py): A [rank, in] and B
+// [out, rank] packed by kvflow_pack_*_weight in the stack's dtype; a null `a`: not adapted.
+struct KvflowLoraProj {
+    const void* a;
+    const void* b;
+    int64_t rank;
+};
+
+// The rows of one step that run one adapter, and its deltas: projs[layer * 4 + p] for p = 0
+// qkv, 1 o_proj, 2 gate_up, 3 down.
+struct KvflowLoraGroup {
+    int64_t num_rows;
+    const int64_t* rows;  // [num_rows] rows of the flat batch, ascending
+    const KvflowLoraProj* projs;
+};
+
 // One step's flat batch: decodes first, then prefill chunks (as the model runner builds it).
 struct KvflowStep {
     int64_t tokens, num_seqs, num_decodes;
@@ -88,6 +105,9 @@ struct KvflowStep {
     int64_t block_table_stride;
     const int64_t* seq_lens;     // [num_seqs]
     const int64_t* query_start;  // [num_seqs + 1]
+    int64_t num_lora_groups;     // 0: the base model on every row
+    const KvflowLoraGroup* lora_groups;
+    int64_t lora_max_rank;  // the widest rank of any group's projection
 };
 
 }  // extern "C"
@@ -110,6 +130,34 @@ inline int gemm(const float* x, int64_t m, int64_t k, const void* packed, const 
     return kvflow_gemm_f32(x, m, k, k, static_cast<const float*>(packed), n, static_cast<const float*>(bias), y, n);
 }
 
+inline float add_rounded(float a, float b) { return a + b; }
+inline uint16_t add_rounded(uint16_t a, uint16_t b) {
+    return kvflow::float_to_bf16(kvflow::bf16_to_float(a) + kvflow::bf16_to_float(b));
+}
+
+// out[rows] += B(A(in[rows])) for each LoRA group that adapts projection `p` of layer `l`, as
+// LoRALinear.forward does after the base GEMM: the same two GEMMs on the gathered rows, then one
+// add rounded to T (round to nearest even for bf16, as torch's in-place add).
+template <typename T>
+int add_lora(const KvflowStep* step, int64_t l, int p, const T* in, int64_t k, T* out, int64_t n, T* xg, T* t,
+             T* d) {
+    for (int64_t g = 0; g < step->num_lora_groups; ++g) {
+        const KvflowLoraGroup& G = step->lora_groups[g];
+        const KvflowLoraProj& P = G.projs[l * 4 + p];
+        if (P.a == nullptr || G.num_rows == 0) continue;
+        for (int64_t r = 0; r < G.num_rows; ++r)
+            std::memcpy(xg + r * k, in + G.rows[r] * k, static_cast<size_t>(k) * sizeof(T));
+        KVFLOW_TRY(gemm(xg, G.num_rows, k, P.a, nullptr, P.rank, nullptr, t));
+        KVFLOW_TRY(gemm(t, G.num_rows, P.rank, P.b, nullptr, n, nullptr, d));
+        for (int64_t r = 0; r < G.num_rows; ++r) {
+            T* dst = out + G.rows[r] * n;
+            const T* src = d + r * n;
+            for (int64_t c = 0; c < n; ++c) dst[c] = add_rounded(dst[c], src[c]);
+        }
+    }
+    return 0;
+}
+
 template <typename T>
 int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const KvflowStep* step, T* x,
             const T* x_in, T* out) {
@@ -127,6 +175,19 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
     T* wide = y + tokens * H;          // [T, qkv_size] or [T, 2 * inter]
     T* attn = wide + tokens * widest;  // [T, q_size]
     T* act = attn + tokens * q_size;   // [T, inter]
+    // LoRA scratch: a group's gathered input rows, their A output and their B output.
+    const int64_t widest_in = H > inter ? (H > q_size ? H : q_size) : (inter > q_size ? inter : q_size);
+    const int64_t widest_out = widest > H ? widest : H;
+    std::unique_ptr<T[]> lora_scratch;
+    T *xg = nullptr, *lt = nullptr, *ld = nullptr;
+    if (step->num_lora_groups > 0) {
+        const int64_t rank = step->lora_max_rank;
+        lora_scratch.reset(new (std::nothrow) T[static_cast<size_t>(tokens * (widest_in + rank + widest_out))]);
+        if (!lora_scratch) return -4;
+        xg = lora_scratch.get();
+        lt = xg + tokens * widest_in;
+        ld = lt + tokens * rank;
+    }
     for (int64_t l = 0; l < shape->num_layers; ++l) {
         const KvflowLlamaLayer& L = layers[l];
         const T* sub = l > 0 ? y : x_in;  // the sublayer output still to add; none on the first stage's layer 0
@@ -134,6 +195,7 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
                                   : kvflow_add_rms_norm(dt, const_cast<T*>(sub), x, L.input_norm, h, tokens, H,
                                                         shape->eps));  // sub is only read
         KVFLOW_TRY(gemm(h, tokens, H, L.qkv, L.qkv_q, qkv_size, L.qkv_bias, wide));
+        KVFLOW_TRY(add_lora(step, l, 0, h, H, wide, qkv_size, xg, lt, ld));
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
                                  step->positions, shape->cos, shape->sin, tokens, D, shape->max_position));
@@ -162,10 +224,13 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
                     shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
         }
         KVFLOW_TRY(gemm(attn, tokens, q_size, L.o_proj, L.o_proj_q, H, nullptr, y));
+        KVFLOW_TRY(add_lora(step, l, 1, attn, q_size, y, H, xg, lt, ld));
         KVFLOW_TRY(kvflow_add_rms_norm(dt, y, x, L.post_norm, h, tokens, H, shape->eps));
         KVFLOW_TRY(gemm(h, tokens, H, L.gate_up, L.gate_up_q, 2 * inter, nullptr, wide));
+        KVFLOW_TRY(add_lora(step, l, 2, h, H, wide, 2 * inter, xg, lt, ld));
         KVFLOW_TRY(kvflow_silu_and_mul(dt, wide, act, tokens, inter));
         KVFLOW_TRY(gemm(act, tokens, inter, L.down, L.down_q, H, nullptr, y));
+        KVFLOW_TRY(add_lora(step, l, 3, act, inter, y, H, xg, lt, ld));
     }
     if (shape->final_norm == nullptr) {  // a stage before the last: hand on (y, residual) as they are
         std::memcpy(out, y, static_cast<size_t>(tokens * H) * sizeof(T));

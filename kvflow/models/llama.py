@@ -112,7 +112,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor; loaded under the embedding's name
         self.fused_stack = None  # see fuse_stack()
-        # Cleared for a step the fused stack cannot run as is: rows with a LoRA adapter (lora/manager.py).
+        # Cleared for a step the fused stack cannot run as is: rows of a LoRA adapter whose A/B it
+        # cannot read (lora/manager.py).
         self.use_fused_stack = True
 
     def forward(

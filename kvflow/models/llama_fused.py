@@ -65,10 +65,37 @@ class _Shape(ctypes.Structure):  # KvflowLlamaShape
                 ("kv_int8", _i64)]
 
 
+class _LoraProj(ctypes.Structure):  # KvflowLoraProj
+    _fields_ = [("a", _ptr), ("b", _ptr), ("rank", _i64)]
+
+
+class _LoraGroup(ctypes.Structure):  # KvflowLoraGroup
+    _fields_ = [("num_rows", _i64), ("rows", _ptr), ("projs", ctypes.POINTER(_LoraProj))]
+
+
 class _Step(ctypes.Structure):  # KvflowStep
     _fields_ = [("tokens", _i64), ("num_seqs", _i64), ("num_decodes", _i64), ("positions", _ptr),
                 ("slot_mapping", _ptr), ("block_tables", _ptr), ("block_table_stride", _i64), ("seq_lens", _ptr),
-                ("query_start", _ptr)]
+                ("query_start", _ptr), ("num_lora_groups", _i64), ("lora_groups", ctypes.POINTER(_LoraGroup)),
+                ("lora_max_rank", _i64)]
+
+
+class LoRAProjections:
+    """One LoRA adapter's packed A and B (kvflow's GEMM layout, the stack's dtype) and rank for every
+    layer and projection (qkv, o_proj, gate_up, down; None: not adapted), as the C++ stack reads
+    them (`KvflowLoraProj`). Holds the tensors whose addresses it hands over."""
+
+    def __init__(self, layers: list[list[tuple[torch.Tensor, torch.Tensor, int] | None]]) -> None:
+        self.array = (_LoraProj * (4 * len(layers)))()
+        self._keep: list[torch.Tensor] = []
+        self.max_rank = 0
+        for i, projections in enumerate(layers):
+            for p, entry in enumerate(projections):
+                if entry is not None:
+                    a, b, rank = entry
+                    self.array[4 * i + p] = _LoraProj(a.data_ptr(), b.data_ptr(), rank)
+                    self.max_rank = max(self.max_rank, rank)
+                    self._keep += [a, b]
 
 
 def _stack_dtype(model) -> torch.dtype:
@@ -138,6 +165,18 @@ class FusedLlamaStack:
         self._caches: list[torch.Tensor] = []
         self.steps_run = 0
         self.steps_declined = 0
+        self._lora: tuple[object, int, list] | None = None  # this step's LoRA groups (set_lora_step)
+
+    def set_lora_step(self, groups: list[tuple[torch.Tensor, LoRAProjections]]) -> None:
+        """The next steps' LoRA rows: (rows of the flat batch as a contiguous int64 tensor, that
+        adapter's projections) per adapter; empty: the base model on every row."""
+        if not groups:
+            self._lora = None
+            return
+        array = (_LoraGroup * len(groups))(*(
+            _LoraGroup(rows.numel(), rows.data_ptr(), ctypes.cast(projs.array, ctypes.POINTER(_LoraProj)))
+            for rows, projs in groups))
+        self._lora = (array, max(projs.max_rank for _, projs in groups), groups)
 
     @staticmethod
     def build(model: LlamaStack) -> FusedLlamaStack | None:
@@ -193,6 +232,9 @@ class FusedLlamaStack:
                      positions=positions.data_ptr(), slot_mapping=meta.slot_mapping.data_ptr(),
                      block_tables=tables.data_ptr(), block_table_stride=tables.stride(0),
                      seq_lens=meta.seq_lens_tensor.data_ptr(), query_start=meta.query_start_tensor.data_ptr())
+        if self._lora is not None:
+            array, step.lora_max_rank, _ = self._lora
+            step.num_lora_groups, step.lora_groups = len(array), ctypes.cast(array, ctypes.POINTER(_LoraGroup))
         out = torch.empty_like(residual)
         rc = self._fn(ctypes.byref(self.shape), self.layers, ctypes.byref(step), residual.data_ptr(),
                       None if x_in is None else x_in.data_ptr(), out.data_ptr())

@@ -37,15 +37,14 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 @dataclass
 class LoRAAdapter:
     """One adapter's deltas: (layer index, fused projection) -> (A [R, in], B [out, R]) in float32,
-    B already scaled. `rank` is the largest rank of any one shard."""
+    B already scaled. `rank` is the largest rank of any one shard; `num_parameters` counts the
+    checkpoint's A and B (the manager drops `weights` once the layers hold their packed copies)."""
 
     request: LoRARequest
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(a.numel() + b.numel() for a, b in self.weights.values())
+    num_parameters: int = 0
+    num_projections: int = 0
 
 
 def shard_rows(cfg: ModelConfig, fused: str) -> list[tuple[int, int]]:
@@ -158,6 +157,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         scaling = module_alpha / (math.sqrt(r) if use_rslora else r)
         shards.setdefault((layer, fused), []).append((shard, a, b * scaling))
     weights = {}
+    num_parameters = sum(ab["A"].numel() + ab["B"].numel() for ab in pairs.values())
     for (layer, fused), parts in shards.items():
         total_rank, out = sum(a.shape[0] for _, a, _ in parts), sum(size for _, size in shard_rows(cfg, fused))
         big_a = torch.cat([a for _, a, _ in parts], dim=0)
@@ -168,4 +168,4 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             big_b[start: start + rows, col: col + a.shape[0]] = b
             col += a.shape[0]
         weights[(layer, fused)] = (big_a, big_b)
-    return LoRAAdapter(request, rank, weights)
+    return LoRAAdapter(request, rank, weights, num_parameters, len(weights))

@@ -62,12 +62,13 @@ class LoRAManager:
         adapter = load_adapter(request, self.model_config, self.config.max_lora_rank)
         for key, (a, b) in adapter.weights.items():
             self.layers[key].add_adapter(request.lora_int_id, a, b)
+        adapter.weights = {}  # the layers hold packed copies in the model's dtype; the float32 ones go
         self.adapters[request.lora_int_id] = adapter
         projections = self._fused_projections(request.lora_int_id)
         if projections is not None:
             self.fused[request.lora_int_id] = projections
         logger.info("LoRA adapter %r (id %d) loaded from %s: rank %d, %d projections, %.1f M parameters",
-                    request.lora_name, request.lora_int_id, request.lora_path, adapter.rank, len(adapter.weights),
+                    request.lora_name, request.lora_int_id, request.lora_path, adapter.rank, adapter.num_projections,
                     adapter.num_parameters / 1e6)
         self._evict(set(in_use) | {request.lora_int_id})
         return adapter

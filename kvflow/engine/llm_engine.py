@@ -344,8 +344,12 @@ class LLMEngine:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
             req.cumulative_logprob += logprobs.get(tid, 0.0)
-        req.output.add_token(tid)
         n_out = len(seq.output_token_ids)
+        eos = tid in self.eos_token_ids and n_out >= params.min_tokens
+        stop_token = tid in params.stop_token_ids and n_out >= params.min_tokens
+        if not (stop_token or (eos and (not params.ignore_eos or seq.grammar_state is not None))) \
+                or params.include_stop_str_in_output:
+            req.output.add_token(tid)  # the token that stops a sequence is not text (vLLM's rule) unless asked
         if seq.grammar_state is not None:
             if not seq.grammar_state.accept(tid):  # the sampler picks allowed tokens only: a broken invariant,
                 logger.error("structured output: token %d of request %s is not allowed by its grammar; "
@@ -353,12 +357,12 @@ class LLMEngine:
                 return SequenceStatus.FINISHED_ABORTED
             if seq.grammar_state.is_terminated:  # the grammar is complete (its stop token accepted)
                 return SequenceStatus.FINISHED_STOPPED
+        if eos and not params.ignore_eos:
+            return SequenceStatus.FINISHED_STOPPED
+        if stop_token:
+            seq.stop_reason = tid
+            return SequenceStatus.FINISHED_STOPPED
         if n_out >= params.min_tokens:
-            if not params.ignore_eos and tid in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            if tid in params.stop_token_ids:
-                seq.stop_reason = tid
-                return SequenceStatus.FINISHED_STOPPED
             stop = req.output.find_stop()
             if stop is not None:
                 seq.stop_reason = stop

@@ -52,6 +52,21 @@ def stream_events(http, body: dict) -> list:
         return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
 
+def test_the_stopping_token_is_not_text_as_in_process(split_server, offline_llm):
+    """The API process assembles the text from the core's ids with the engine's rule: the EOS that
+    ends the sequence adds none, special tokens kept or not, unless include_stop_str_in_output."""
+    _, http = split_server
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for extra in ({}, {"include_stop_str_in_output": True}):
+        ref = offline_llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False, **extra),
+                               use_tqdm=False)[0].outputs[0]
+        r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": chat, "temperature": 0,
+                                                    "max_tokens": 64, "skip_special_tokens": False, **extra})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == ref.finish_reason == "stop"
+        assert choice["message"]["content"] == ref.text and ref.text.endswith("<|im_end|>") == bool(extra)
+
+
 def test_cache_salt_crosses_to_the_core(split_server):
     _, http = split_server
     check_cache_salt(lambda route, body: http.post(route, json=body), "/v1/chat/completions", {"model": MODEL_NAME})

@@ -109,6 +109,24 @@ def test_stop_strings_and_stop_tokens(smollm2_fp32):
     assert out.outputs[0].token_ids == base.token_ids[: first + 1] and out.outputs[0].stop_reason == tok
 
 
+def test_the_stopping_token_is_not_text_unless_asked(smollm2_fp32):
+    """vLLM's rule: the EOS or stop token that ends a sequence adds no text, even with special
+    tokens kept, unless include_stop_str_in_output (a parser reading special tokens relies on it)."""
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    kept = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
+    out = smollm2_fp32.chat(chat, kept, use_tqdm=False)[0].outputs[0]
+    eos = smollm2_fp32.get_tokenizer().decode([out.token_ids[-1]])
+    assert out.finish_reason == "stop" and eos == "<|im_end|>"
+    assert out.text and not out.text.endswith(eos)
+    asked = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert smollm2_fp32.chat(chat, asked, use_tqdm=False)[0].outputs[0].text == out.text + eos
+    tok = out.token_ids[2]
+    stopped = smollm2_fp32.chat(chat, SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[tok]),
+                                use_tqdm=False)[0].outputs[0]
+    first = out.token_ids.index(tok)
+    assert stopped.text == smollm2_fp32.get_tokenizer().decode(out.token_ids[:first])
+
+
 def test_seeded_sampling_is_reproducible_across_batches(smollm2_fp32):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
     alone = smollm2_fp32.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids

@@ -56,7 +56,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
                    help="serve tool_choice 'auto' (the default with tools): the model decides whether to call, "
                         "and --tool-call-parser reads the calls it writes (refused otherwise)")
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="the model's tool-call format: hermes (<tool_call> JSON blocks; Qwen2.5, Qwen3)")
+                   help="the model's tool-call format: hermes (<tool_call> JSON blocks; Qwen2.5, Qwen3), "
+                        "llama3_json (JSON calls; Llama 3.1-3.3) or mistral ([TOOL_CALLS]; Mistral)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served under their own model names (needs --enable-lora); also vLLM's "
                         "JSON form '{\"name\": ..., \"path\": ...}'")

@@ -164,36 +164,47 @@ def test_tool_choice_none_generates_text(live_server, client):
 
 
 @pytest.fixture(scope="module")
-def auto_client(live_server):
-    """A second app over the module's engine, started as `--enable-auto-tool-choice --tool-call-parser hermes`."""
-    server, thread, port = start_uvicorn(build_app(live_server.engine, MODEL_NAME, live_server.api_key,
-                                                   tool_call_parser="hermes"))
+def auto_clients(live_server):
+    """Apps over the module's engine started as `--enable-auto-tool-choice --tool-call-parser NAME`, by NAME."""
+    started, clients = [], {}
     try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=live_server.api_key, max_retries=0,
-                            timeout=120)
+        for name in ("hermes", "llama3_json", "mistral"):
+            server, thread, port = start_uvicorn(build_app(live_server.engine, MODEL_NAME, live_server.api_key,
+                                                           tool_call_parser=name))
+            started.append((server, thread))
+            clients[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=live_server.api_key,
+                                          max_retries=0, timeout=120)
+        yield clients
     finally:
-        server.should_exit = True
-        thread.join(10)
+        for server, thread in started:
+            server.should_exit = True
+            thread.join(10)
 
 
-# What a Qwen-style model writes when it calls: a regex makes SmolLM2 write exactly that here.
-HERMES = 'Let me look\\.\n<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Paris", "unit": "celsius"\\}\\}\n</tool_call>'
+# What each model family writes when it calls: a regex makes SmolLM2 write exactly that here.
+CITY = '\\{"city": "Paris", "unit": "celsius"\\}'
+HERMES = f'Let me look\\.\n<tool_call>\n\\{{"name": "get_weather", "arguments": {CITY}\\}}\n</tool_call>'
+LLAMA3 = f'\\{{"name": "get_weather", "parameters": {CITY}\\}}'
+MISTRAL = f'Let me look\\.\\[TOOL_CALLS\\]\\[\\{{"name": "get_weather", "arguments": {CITY}\\}}\\]'
 
 
-@pytest.mark.parametrize(("regex", "called"), [(HERMES, True), ("Paris is sunny\\.", False)])
-def test_auto_reads_the_calls_the_model_wrote(live_server, auto_client, regex, called):
+@pytest.mark.parametrize(("parser", "regex", "content"), [
+    ("hermes", HERMES, "Let me look."), ("llama3_json", LLAMA3, None), ("mistral", MISTRAL, "Let me look."),
+    ("hermes", "Paris is sunny\\.", "Paris is sunny."), ("llama3_json", "Paris is sunny\\.", "Paris is sunny."),
+    ("mistral", "Paris is sunny\\.", "Paris is sunny.")])
+def test_auto_reads_the_calls_the_model_wrote(live_server, auto_clients, parser, regex, content):
+    client, called = auto_clients[parser], regex.startswith(("Let", "\\{"))
     kw = dict(model=MODEL_NAME, messages=CHAT, tools=TOOLS, max_tokens=200, temperature=0,
               extra_body={"structured_outputs": {"regex": regex}})
-    choice = auto_client.chat.completions.create(**kw).choices[0]  # no tool_choice: "auto"
-    calls, text, reason = _streamed(auto_client, tool_choice="auto", **{k: v for k, v in kw.items() if k not in ("messages", "model")})
+    choice = client.chat.completions.create(**kw).choices[0]  # no tool_choice: "auto"
+    calls, text, reason = _streamed(client, tool_choice="auto", **{k: v for k, v in kw.items() if k not in ("messages", "model")})
     if called:
-        assert (choice.message.content, choice.finish_reason) == ("Let me look.", "tool_calls")
+        assert (choice.message.content, choice.finish_reason) == (content, "tool_calls")
         assert _check_calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
-        assert (text, reason) == ("Let me look.", "tool_calls")
+        assert (text, reason) == (content or "", "tool_calls")
         assert [(name, json.loads(args)) for _, name, args in calls] == [("get_weather", {"city": "Paris",
                                                                                           "unit": "celsius"})]
     else:
-        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("Paris is sunny.", None,
-                                                                                            "stop")
-        assert (calls, text, reason) == ([], "Paris is sunny.", "stop")
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (content, None, "stop")
+        assert (calls, text, reason) == ([], content, "stop")
     assert live_server.wait_pool_free()

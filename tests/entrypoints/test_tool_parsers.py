@@ -1,4 +1,4 @@
-"""tool_choice "auto": the hermes parser, whole and streamed in pieces of any size."""
+"""tool_choice "auto": the hermes, llama3_json and mistral parsers, whole and streamed in pieces of any size."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvflow.entrypoints.openai.tool_parsers import HermesToolParser, make_tool_parser
+from kvflow.entrypoints.openai.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                                    make_tool_parser)
 
 TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>{"name": "ping", "arguments": "{}"}</tool_call>')
@@ -36,10 +37,68 @@ def test_whole_outputs():
         assert parser.message(text, "length") == (text, None, "length")
 
 
+LLAMA3 = [
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "ping", "parameters": {}}',
+    '<|python_tag|>{"name": "ping", "parameters": {}}',
+    '  {"name": "ping", "arguments": {"x": 1}}',
+    "Paris is 18 degrees and sunny.",
+    '{"name": "ping", "parameters": {}} and then some text',  # trailing text: not calls
+    '{"no": "name"}',
+    "<|python",  # cut short inside the tag: text
+    "",
+]
+MISTRAL = [
+    'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "ping", "arguments": {}}]',
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]ping[ARGS]{}',
+    '[TOOL_CALLS] {"name": "ping", "arguments": {}}',
+    "Paris is 18 degrees [TOOL not a call",
+    '[TOOL_CALLS][{"name": "ping", "arguments": {}}] trailing',  # trailing text: not calls
+    "[TOOL_CALLS]ping[ARGS]{not json",
+    "",
+]
+CASES = ([(HermesToolParser, t) for t in OUTPUTS] + [(Llama3JsonToolParser, t) for t in LLAMA3]
+         + [(MistralToolParser, t) for t in MISTRAL])
+
+
+def test_llama3_and_mistral_whole_outputs():
+    llama = Llama3JsonToolParser()
+    content, calls, reason = llama.message(LLAMA3[0], "stop")
+    assert (content, reason) == (None, "tool_calls")
+    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("ping", {})]
+    assert _calls(llama.message(LLAMA3[1], "stop")[1]) == [("ping", {})]
+    assert _calls(llama.message(LLAMA3[2], "stop")[1]) == [("ping", {"x": 1})]
+    for text in LLAMA3[3:]:
+        assert llama.message(text, "length") == (text, None, "length")
+    mistral = MistralToolParser()
+    content, calls, reason = mistral.message(MISTRAL[0], "stop")
+    assert (content, reason) == ("Checking.", "tool_calls")
+    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("ping", {})]
+    assert _calls(mistral.message(MISTRAL[1], "stop")[1]) == [("get_weather", {"city": "Paris"}), ("ping", {})]
+    assert _calls(mistral.message(MISTRAL[2], "stop")[1]) == [("ping", {})]
+    for text in MISTRAL[3:]:
+        assert mistral.message(text, "length") == (text, None, "length")
+
+
+def test_mistral_requests_keep_special_tokens():
+    """[TOOL_CALLS] is a special token: a request the mistral parser reads must keep it in its text."""
+    from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    body.use_tool_parser(MistralToolParser())
+    assert body.skip_special_tokens is False
+    plain = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="none")
+    plain.use_tool_parser(MistralToolParser())
+    assert plain.skip_special_tokens is True
+    hermes = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    hermes.use_tool_parser(HermesToolParser())
+    assert hermes.skip_special_tokens is True
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("text", OUTPUTS)
-def test_streamed_in_pieces_is_the_whole_message(text, size):
-    parser = HermesToolParser()
+@pytest.mark.parametrize(("parser_class", "text"), CASES)
+def test_streamed_in_pieces_is_the_whole_message(parser_class, text, size):
+    parser = parser_class()
     want_content, want_calls, want_reason = parser.message(text, "stop")
     stream = parser.stream()
     content = ""
@@ -47,7 +106,8 @@ def test_streamed_in_pieces_is_the_whole_message(text, size):
         piece, calls = stream.delta(text[i:i + size])
         assert calls is None
         content += piece or ""
-        assert "<tool_call>" not in content
+        if want_calls:  # nothing of a call ever goes out as text
+            assert len(content) <= len(want_content or "")
     tail, calls, reason = stream.finish("stop")
     content += tail or ""
     assert (content, reason) == (want_content or "", want_reason)
@@ -57,5 +117,6 @@ def test_streamed_in_pieces_is_the_whole_message(text, size):
 
 def test_unknown_parser_names_the_choices():
     assert make_tool_parser(None) is None
-    with pytest.raises(ValueError, match="^tool_call_parser: unknown parser 'qwen'; supported: hermes"):
+    supported = "hermes, llama3_json, mistral"
+    with pytest.raises(ValueError, match=f"^tool_call_parser: unknown parser 'qwen'; supported: {supported}"):
         make_tool_parser("qwen")

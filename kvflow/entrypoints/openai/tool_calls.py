@@ -160,8 +160,12 @@ class ToolFields(_Wire):
     _tool_parser: Any = PrivateAttr(default=None)  # the server's, for "auto" (tool_parsers.py)
 
     def use_tool_parser(self, parser: Any) -> None:
-        """Let "auto" read calls with `parser` (the server's --tool-call-parser; None: refuse "auto")."""
+        """Let "auto" read calls with `parser` (the server's --tool-call-parser; None: refuse "auto").
+        A format whose call marker is a special token keeps special tokens in the text, or the
+        parser would never see the marker (vLLM does the same)."""
         self._tool_parser = parser
+        if parser is not None and parser.needs_special_tokens and self.output_shape() is parser:
+            self.skip_special_tokens = False
 
     def output_shape(self) -> Any:
         """How this request's output becomes a message: a forced call, the parser, or plain text."""

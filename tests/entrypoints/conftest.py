@@ -126,7 +126,9 @@ def check_cache_salt(post, route: str, body: dict) -> None:
         assert r.status_code == 200, r.text
         answers.append(r.json())
     cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
-    assert cached[0] == cached[1] == cached[3] == 0 and cached[2] > 0, cached
+    # The unsalted request may find the blocks of a chat template's opening that earlier unsalted
+    # requests cached, never the salted ones (which cover the whole prompt).
+    assert cached[0] == cached[1] == 0 and cached[2] > cached[3], cached
     texts = [(a["choices"][0].get("text") or a["choices"][0]["message"]["content"]) for a in answers]
     assert all(t == texts[0] for t in texts)
     r = post(route, {**body, "cache_salt": ""})

@@ -79,8 +79,13 @@ def test_core_finish_reasons_win_on_their_token(offline_llm):
     assert tail.strip()
     params = SamplingParams(temperature=0, max_tokens=12, stop=[tail.strip()])
     eos = assemble(tok, free.prompt_token_ids, params, core_steps("r", [run], 4, ["stop"]))[-1]
-    assert eos.output.outputs[0].text == run.text and eos.output.outputs[0].stop_reason is None
+    # The core's stop token adds no text (vLLM's rule), so the stop string never completes.
+    assert run.text.endswith(tail)
+    assert eos.output.outputs[0].text == run.text[:-len(tail)] and eos.output.outputs[0].stop_reason is None
     assert not eos.abort_request  # the core finished it itself
+    kept = dataclasses.replace(params, include_stop_str_in_output=True)
+    assert assemble(tok, free.prompt_token_ids, kept, core_steps("r", [run], 4, ["stop"]))[-1].output.outputs[0].text \
+        == run.text
     # A "length" finish on that token yields to the stop string (checked before max_tokens).
     length = assemble(tok, free.prompt_token_ids, params, core_steps("r", [run], 4, ["length"]))[-1]
     assert length.output.outputs[0].finish_reason == "stop" and not length.abort_request

@@ -347,9 +347,8 @@ class LLMEngine:
         n_out = len(seq.output_token_ids)
         eos = tid in self.eos_token_ids and n_out >= params.min_tokens
         stop_token = tid in params.stop_token_ids and n_out >= params.min_tokens
-        if not (stop_token or (eos and (not params.ignore_eos or seq.grammar_state is not None))) \
-                or params.include_stop_str_in_output:
-            req.output.add_token(tid)  # the token that stops a sequence is not text (vLLM's rule) unless asked
+        ends = stop_token or (eos and (not params.ignore_eos or seq.grammar_state is not None))
+        req.output.add_token(tid, stops=ends)  # a stopping token adds no text (CompletionText.add_token)
         if seq.grammar_state is not None:
             if not seq.grammar_state.accept(tid):  # the sampler picks allowed tokens only: a broken invariant,
                 logger.error("structured output: token %d of request %s is not allowed by its grammar; "

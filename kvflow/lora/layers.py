@@ -37,14 +37,6 @@ class LoRALinear(nn.Module):
         # model's parameters stay the base model's (loading, packing and memory plans see those).
         self.adapters: dict[int, tuple[Linear, Linear]] = {}
 
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
-
     def add_adapter(self, lora_int_id: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Hold an adapter's A [R, in] and B [out, R] (B scaled), in the base weight's dtype and packed."""
         dtype, device = self.base.weight.dtype, self.base.weight.device

@@ -166,9 +166,13 @@ class CompletionText:
         self.text = ""
         self._prev_len = 0  # len(text) before the last token
 
-    def add_token(self, token_id: int) -> None:
-        """Detokenize one more output token (its text may be held back until a character completes)."""
+    def add_token(self, token_id: int, stops: bool = False) -> None:
+        """Detokenize one more output token (its text may be held back until a character completes).
+        `stops`: the token ends the sequence (EOS, a stop token, the grammar's end); as in vLLM it
+        adds no text unless include_stop_str_in_output."""
         self._prev_len = len(self.text)
+        if stops and not self._include_stop:
+            return
         if self._detokenizer is not None:
             self.text += self._detokenizer.add_tokens([token_id])
 

@@ -129,8 +129,7 @@ class OutputAssembler:
                 c.logprobs.append(lps[i])
                 c.cumulative_logprob += lps[i].get(tid, 0.0)
             if i == last and reason is not None and reason != "length":
-                if reason != "stop" or params.include_stop_str_in_output:  # the stopping token is not text
-                    c.text.add_token(tid)
+                c.text.add_token(tid, stops=reason == "stop")
                 break  # EOS, a stop token or the grammar ended it on this token: checked before stop strings
             c.text.add_token(tid)
             if len(c.token_ids) >= params.min_tokens:

@@ -6,10 +6,12 @@ over HTTP like any client and still read the engine's own stats (free blocks) di
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import pytest
 
@@ -79,16 +81,24 @@ def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
     return server, thread, port
 
 
-@pytest.fixture(scope="module")
-def live_server():
-    engine = AsyncEngine.from_config(EngineConfig(**ENGINE_KWARGS), max_waiting=1024)
-    app = build_app(engine, MODEL_NAME, API_KEY)
+@contextlib.contextmanager
+def serving(app) -> Iterator[int]:
+    """`app` on a loopback port (uvicorn in a thread) for the with-block; yields the port."""
     server, thread, port = start_uvicorn(app)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, MODEL_NAME, engine)
+        yield port
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live_server():
+    engine = AsyncEngine.from_config(EngineConfig(**ENGINE_KWARGS), max_waiting=1024)
+    try:
+        with serving(build_app(engine, MODEL_NAME, API_KEY)) as port:
+            yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, MODEL_NAME, engine)
+    finally:
         engine.shutdown()
 
 

@@ -22,7 +22,7 @@ from kvflow.entrypoints.core.client import EngineCoreClient
 from kvflow.entrypoints.openai.server import build_app
 from kvflow.sampling.params import SamplingParams
 
-from .conftest import ENGINE_KWARGS, MODEL_NAME, check_cache_salt, httpx, start_uvicorn, wait_engine_idle
+from .conftest import ENGINE_KWARGS, MODEL_NAME, check_cache_salt, httpx, serving, wait_engine_idle
 
 PROMPT = "The capital of France is"
 
@@ -30,13 +30,11 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def split_server():
     engine = EngineCoreClient(EngineConfig(**ENGINE_KWARGS), max_waiting=64)
-    server, thread, port = start_uvicorn(build_app(engine, MODEL_NAME))
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        with serving(build_app(engine, MODEL_NAME)) as port, \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
             yield engine, http
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

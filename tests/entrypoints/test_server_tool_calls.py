@@ -6,6 +6,7 @@ types parse `message.tool_calls` and accumulate the streamed `delta.tool_calls`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jsonschema
@@ -14,7 +15,7 @@ import pytest
 
 from kvflow.entrypoints.openai.server import build_app
 
-from .conftest import MODEL_NAME, start_uvicorn
+from .conftest import MODEL_NAME, serving
 
 WEATHER = {
     "type": "object",
@@ -166,19 +167,14 @@ def test_tool_choice_none_generates_text(live_server, client):
 @pytest.fixture(scope="module")
 def auto_clients(live_server):
     """Apps over the module's engine started as `--enable-auto-tool-choice --tool-call-parser NAME`, by NAME."""
-    started, clients = [], {}
-    try:
+    with contextlib.ExitStack() as stack:
+        clients = {}
         for name in ("hermes", "llama3_json", "mistral"):
-            server, thread, port = start_uvicorn(build_app(live_server.engine, MODEL_NAME, live_server.api_key,
-                                                           tool_call_parser=name))
-            started.append((server, thread))
+            port = stack.enter_context(serving(build_app(live_server.engine, MODEL_NAME, live_server.api_key,
+                                                         tool_call_parser=name)))
             clients[name] = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=live_server.api_key,
                                           max_retries=0, timeout=120)
         yield clients
-    finally:
-        for server, thread in started:
-            server.should_exit = True
-            thread.join(10)
 
 
 # What each model family writes when it calls: a regex makes SmolLM2 write exactly that here.

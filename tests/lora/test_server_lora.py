@@ -11,7 +11,7 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.core.client import EngineCoreClient
 from kvflow.entrypoints.openai.server import build_app
-from tests.entrypoints.conftest import httpx, start_uvicorn
+from tests.entrypoints.conftest import httpx, serving
 
 BASE = "tiny-base"
 PROMPT = [5, 17, 42, 99, 3, 8, 250, 11, 64, 2, 77]
@@ -27,13 +27,10 @@ def lora_server(request, lora_models):
               else EngineCoreClient(config, max_waiting=64))
     app = build_app(engine, BASE, lora_modules=[f"all={root / 'all'}", f'{{"name": "qv", "path": "{root / "qv"}"}}'],
                     allow_runtime_lora_updating=True)
-    server, thread, port = start_uvicorn(app)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        with serving(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
             yield http
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

@@ -3,9 +3,13 @@
 from kvflow.config import EngineConfig
 from kvflow.entrypoints.llm import LLM
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                            PoolingRequestOutput, RequestOutput)
+from kvflow.pooling.params import PoolerConfig, PoolingParams
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "PoolerConfig",
+           "EngineConfig", "RequestOutput", "CompletionOutput", "PoolingRequestOutput", "PoolingOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]

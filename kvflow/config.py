@@ -50,6 +50,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     checkpoint_dtype: str | None = None
     sliding_window: int | None = None  # attention window the model was trained with, if any
+    # Matryoshka embeddings (config.json `is_matryoshka` / `matryoshka_dimensions`): whether an
+    # embedding may be cut to its leading `dimensions` (kvflow.pooling), and to which sizes (None: any).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -86,6 +90,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             sliding_window=_sliding_window(arch, cfg),
+            is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
+            matryoshka_dimensions=[int(d) for d in cfg["matryoshka_dimensions"]] if cfg.get("matryoshka_dimensions")
+            else None,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -207,6 +214,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Embeddings (kvflow.pooling.PoolerConfig, a dict or its JSON; vLLM's name): how `LLM.embed` and
+    # /v1/embeddings pool a prompt's hidden states. None: last token, L2-normalised.
+    pooler_config: Any = None
 
     def __post_init__(self) -> None:
         from kvflow.layers.kv_int8 import check_kv_cache_dtype
@@ -222,6 +232,9 @@ class EngineConfig:
         from kvflow.lora.request import LoRAConfig
 
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # refuses bad LoRA options
+        from kvflow.pooling.params import PoolerConfig
+
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

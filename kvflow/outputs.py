@@ -47,3 +47,45 @@ class RequestOutput:
     # kvflow's addition: each prompt token's rank at its position (1 = most likely), None for the first.
     prompt_token_ranks: list[int | None] | None = None
     lora_request: Any = None  # the kvflow.lora.LoRARequest the request ran with; None: the base model
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # torch.Tensor, float32 [dimensions]: the pooled (and maybe normalised) hidden states
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's result (`LLM.encode`), complete when it is returned."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+    lora_request: Any = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result: the vector as a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)

@@ -89,6 +89,7 @@ class BatchQueue:
         self._in_flight.difference_update(item.seq for item in batch.sched.scheduled)
         live = [item for item in batch.sched.scheduled if not item.seq.status.is_finished]
         if len(live) < len(batch.sched.scheduled):
-            result = StepOutput([r for r in result.sampled if not r.seq.status.is_finished], result.prompt_logprobs)
+            result = StepOutput([r for r in result.sampled if not r.seq.status.is_finished], result.prompt_logprobs,
+                                [p for p in result.pooled if not p.seq.status.is_finished])
             batch.sched = SchedulerOutput(live, batch.sched.preempted)
         return batch.sched, result

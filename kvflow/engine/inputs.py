@@ -61,6 +61,17 @@ def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt: token ids must be in [0, {vocab_size}), got {min(token_ids)}..{max(token_ids)}")
 
 
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, generates: bool = True) -> None:
+    """Refuse an empty prompt, ids outside the vocabulary, and a prompt too long for the model
+    (with room for one generated token, unless the request only embeds its prompt)."""
+    if not token_ids:
+        raise ValueError("prompt: the prompt is empty; give at least one token")
+    check_prompt_token_ids(token_ids, vocab_size)
+    if len(token_ids) > max_model_len - generates:
+        room = " (prompt plus at least one generated token must fit)" if generates else ""
+        raise ValueError(f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {max_model_len}{room}")
+
+
 def check_chat_options(add_generation_prompt: bool, continue_final_message: bool) -> None:
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: continuing the last message and adding a new assistant turn "

@@ -23,28 +23,28 @@ import time
 import torch
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
-from kvflow.device import resolve_device
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads
-from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt_token_ids, load_tokenizer_or_none,
-                                  tokenize_prompt)
+from kvflow.engine.inputs import PromptInput, cache_salt_of, check_prompt, load_tokenizer_or_none, tokenize_prompt
 from kvflow.engine.kv_cache_manager import KVCacheManager, chain_root
 from kvflow.engine.memory_plan import KVCachePlan
-from kvflow.engine.model_placement import build_lora_manager, build_runner, place_model
+from kvflow.engine.model_placement import (build_lora_manager, build_runner, build_speculator, place_model,
+                                           plan_draft_model)
 from kvflow.engine.model_runner import SampledTokens, StepOutput
 from kvflow.engine.parallel_sampling import SampleGroups, prompt_tokens_computed
-from kvflow.engine.request_state import EngineStats, RequestState, make_output
+from kvflow.engine.request_state import EngineStats, RequestState, make_output, make_pooling_output
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.step_shape import StepShape, step_shape
-from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
+from kvflow.loader import load_model_config, resolve_model_path
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import PoolingRequestOutput, RequestOutput
+from kvflow.pooling.params import PoolingParams
+from kvflow.pooling.pooler import PooledOutput, PoolingState
 from kvflow.sampling.detokenizer import CompletionText
 from kvflow.sampling.logits_processors import bad_words_token_ids
 from kvflow.sampling.params import SamplingParams
-from kvflow.spec_decode.speculator import Speculator
 from kvflow.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("kvflow")
@@ -63,21 +63,12 @@ class LLMEngine:
         # Filled in by LLM, the server and the CLI for the fields a request leaves unset; the
         # engine itself runs every request's SamplingParams exactly as given.
         self.sampling_defaults: SamplingDefaults = load_sampling_defaults(path, config.generation_config)
-        spec = config.speculative_config
-        draft_path, draft_cfg, draft_shares_kv = None, None, False
-        if spec is not None and spec.method == "draft_model":
-            from kvflow.spec_decode.draft_model import draft_model_config, shares_target_kv
-
-            draft_path, draft_cfg = draft_model_config(spec, self.model_config, self.max_model_len)
-            draft_shares_kv = (shares_target_kv(path, self.model_config, draft_path, draft_cfg,
-                                                resolve_device(config.device).type)
-                               and config.tensor_parallel_size == config.pipeline_parallel_size == 1)
-        placement = place_model(config, path, self.model_config, self.dtype, self.max_model_len, draft_cfg,
-                                draft_shares_kv)
+        draft = plan_draft_model(config, path, self.model_config, self.max_model_len)
+        placement = place_model(config, path, self.model_config, self.dtype, self.max_model_len,
+                                draft.config if draft else None, draft is not None and draft.shares_kv)
         self.device, self.quantization, self.parallel = placement.device, placement.quantization, placement.parallel
         self.distributed = placement.distributed
         self.plan: KVCachePlan = placement.plan
-        attn_backend = placement.attn_backend
         self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -93,25 +84,11 @@ class LLMEngine:
         self.runner = build_runner(placement, config, self.model_config, self.kv_cache_manager, self.dtype,
                                    self.eos_token_ids, self.max_model_len)
         self.lora = build_lora_manager(config, placement, self.runner) if lora_config else None
-        self.speculator = None
-        if spec is not None:
-            draft = None
-            if draft_path is not None:
-                from kvflow.spec_decode.draft_model import load_draft_proposer
-
-                draft_tokenizer = load_tokenizer_or_none(draft_path)
-                draft = load_draft_proposer(
-                    draft_path, draft_cfg, self.plan, self.dtype, attn_backend, self.eos_token_ids, config.seed,
-                    target_vocab=self.tokenizer.get_vocab() if self.tokenizer is not None else None,
-                    draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
-                    max_catch_up_tokens=config.max_num_batched_tokens,
-                    quantization=resolve_quantization(draft_path, spec.quantization, dtype=config.dtype,
-                                                      quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None),
-                    target_runner=self.runner if draft_shares_kv else None)
-            self.speculator = Speculator(spec, self.max_model_len, draft)
+        self.speculator = build_speculator(config, draft, placement, self.runner, self.tokenizer, self.dtype,
+                                           self.eos_token_ids, self.max_model_len)
         # P > 1: P batches in flight; one at a time with drafts (they are proposed from tokens not yet back)
         self.batch_queue = BatchQueue(self.scheduler, self.runner, self.parallel.pipeline_parallel_size) if (
-            self.distributed and self.parallel.pipeline_parallel_size > 1 and spec is None) else None
+            self.distributed and self.parallel.pipeline_parallel_size > 1 and self.speculator is None) else None
         # Compiled grammars (cached) for structured output; xgrammar loads on the first such request.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.eos_token_ids)
@@ -139,27 +116,30 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; ValueError naming the field when something in it cannot be served
-        (`lora_request`: an adapter that does not load or fit the model is refused here)."""
+        (`lora_request`: an adapter that does not load or fit the model is refused here).
+        `PoolingParams` make it an embedding request: its prompt is pooled into one vector
+        (`PoolingRequestOutput`, kvflow/pooling) and nothing is generated."""
         if request_id in self._requests or request_id in self.sample_groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        pooling = None
+        if isinstance(params, PoolingParams):
+            cfg = self.model_config
+            params.check(cfg.hidden_size, cfg.is_matryoshka, cfg.matryoshka_dimensions)
+            if self.distributed:
+                raise ValueError(f"embeddings: not supported with the distributed executor ({self.parallel.describe()}) yet")
+            pooling = PoolingState(params, self.config.pooler_config)
+            params = SamplingParams(max_tokens=1, detokenize=False)  # never sampled: the prompt is all it runs
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         hash_root = chain_root(lora_request.cache_key if lora_request is not None else None, cache_salt_of(prompt))
-        if not token_ids:
-            raise ValueError("prompt: the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        check_prompt_token_ids(token_ids, vocab)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
+        check_prompt(token_ids, vocab, self.max_model_len, generates=pooling is None)
         params.check_token_ids(vocab, self.eos_token_ids)
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.prompt_logprobs is not None and self.distributed:
@@ -172,7 +152,8 @@ class LLMEngine:
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:
             seq = Sequence(seq_id, token_ids, p, arrival_time=arrival_time, priority=priority, prompt=text,
-                           bad_words_token_ids=bad_words, lora_request=lora_request, hash_root=hash_root)
+                           bad_words_token_ids=bad_words, lora_request=lora_request, hash_root=hash_root,
+                           pooling=pooling)
             if p.structured_outputs is not None:  # every sample walks the grammar on its own
                 seq.grammar_state = self.structured_output.new_state(p.structured_outputs)
             # detokenize=False (the engine core of a split server): the API process makes the text.
@@ -253,8 +234,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or (self.batch_queue is not None and self.batch_queue.busy)
 
     # ---- the step ----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that got tokens."""
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Run one scheduled batch; return an output for every request that got tokens, and
+        for every embedding request whose prompt it completed."""
         if self.batch_queue is not None:
             return self._pipelined_step()
         if self.speculator is not None:
@@ -272,14 +254,14 @@ class LLMEngine:
         done = self.batch_queue.pop()
         return self._apply(*done) if done is not None else []
 
-    def _apply(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+    def _apply(self, sched: SchedulerOutput, result: StepOutput) -> list[RequestOutput | PoolingRequestOutput]:
         """A batch's tokens into its requests: append, stop checks, scheduler bookkeeping, outputs."""
         self.prefill_tokens_total += prompt_tokens_computed(sched)  # before num_computed_tokens moves on
         if self.step_shapes is not None:
             self.step_shapes.append(step_shape(sched))
         for entries in result.prompt_logprobs:  # before the outputs, which carry them
             entries.append_to_sequence()
-        sampled = result.sampled
+        sampled, pooled = result.sampled, result.pooled
         now = time.time()
         advanced: list[RequestState] = []
         stopped: list[tuple[RequestState, SequenceStatus]] = []
@@ -307,12 +289,22 @@ class LLMEngine:
             self.scheduler.finish(req.seq, status)
             if self.speculator is not None:
                 self.speculator.forget(req.seq.request_id)
-        outputs = self.sample_groups.outputs(advanced, make_output)
+        outputs = self.sample_groups.outputs(advanced, make_output) + [self._finish_pooled(p, now) for p in pooled
+                                                                          if p.seq.request_id in self._requests]
         for req, _ in stopped:
             del self._requests[req.seq.request_id]
             if req.group is not None and req.group.finished:
                 self.sample_groups.pop(req.group.request_id)
         return outputs
+
+    def _finish_pooled(self, pooled: PooledOutput, now: float) -> PoolingRequestOutput:
+        """An embedding request's prompt is computed: retire it (its blocks stay in the prefix cache)."""
+        seq = pooled.seq
+        del self._requests[seq.request_id]
+        seq.first_token_time = now
+        self.prompt_tokens_total += seq.num_prompt_tokens
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        return make_pooling_output(seq, pooled.data)
 
     def _append_tokens(self, req: RequestState, result: SampledTokens, now: float) -> SequenceStatus | None:
         """Append the step's tokens one by one until a stop condition; return the finish status, if any.

@@ -1,7 +1,7 @@
 """Where and how the model runs, decided before a weight is read: the device, the weights'
 format, the ranks (tensor/pipeline parallelism), the KV cache plan; then the runner that drives it.
 
-`LLMEngine` calls `place_model` and `build_runner` once; the scheduler and the step loop are the
+`LLMEngine` calls `plan_draft_model`, `place_model`, `build_runner` and `build_speculator` once; the scheduler and the step loop are the
 same whichever placement they got: one in-process `ModelRunner` (CPU or CUDA), or a
 `DriverRunner` that sends each step to worker processes (kvflow.distributed).
 """
@@ -17,12 +17,14 @@ from torch import nn
 from kvflow.config import EngineConfig, ModelConfig
 from kvflow.device import check_cuda_engine, resolve_device
 from kvflow.distributed.config import ParallelConfig
+from kvflow.engine.inputs import load_tokenizer_or_none
 from kvflow.engine.kv_cache_manager import KVCacheManager
 from kvflow.engine.memory_plan import KVCachePlan, device_memory_inputs, plan_kv_cache
 from kvflow.engine.model_runner import ModelRunner
 from kvflow.layers.attention import AttentionBackend, get_attn_backend
 from kvflow.loader import load_model, resolve_quantization
 from kvflow.quantization.config import QuantizationConfig
+from kvflow.spec_decode.speculator import Speculator
 
 
 @dataclass
@@ -34,6 +36,28 @@ class ModelPlacement:
     plan: KVCachePlan
     attn_backend: AttentionBackend
     model: nn.Module | None  # None when the workers hold it
+
+
+@dataclass
+class DraftModel:
+    """A draft model for speculative decoding, known before the target is placed (its KV shares the plan)."""
+
+    path: str
+    config: ModelConfig
+    shares_kv: bool  # a self-draft over the target's own layers and KV cache (spec_decode/draft_model.py)
+
+
+def plan_draft_model(config: EngineConfig, path: str, model_config: ModelConfig,
+                     max_model_len: int) -> DraftModel | None:
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from kvflow.spec_decode.draft_model import draft_model_config, shares_target_kv
+
+    draft_path, draft_cfg = draft_model_config(spec, model_config, max_model_len)
+    shares = (shares_target_kv(path, model_config, draft_path, draft_cfg, resolve_device(config.device).type)
+              and config.tensor_parallel_size == config.pipeline_parallel_size == 1)
+    return DraftModel(draft_path, draft_cfg, shares)
 
 
 def place_model(config: EngineConfig, path: str, model_config: ModelConfig, dtype: torch.dtype,
@@ -103,3 +127,26 @@ def build_lora_manager(config: EngineConfig, placement: ModelPlacement, runner: 
 
     runner.lora = LoRAManager(placement.model, placement.model.config, config.lora_config, placement.device)
     return runner.lora
+
+
+def build_speculator(config: EngineConfig, draft: DraftModel | None, placement: ModelPlacement, runner: Any,
+                     tokenizer: Any, dtype: torch.dtype, eos_token_ids: list[int],
+                     max_model_len: int) -> Speculator | None:
+    """The speculator (n-gram or draft model) when speculative decoding is configured, else None."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    proposer = None
+    if draft is not None:
+        from kvflow.spec_decode.draft_model import load_draft_proposer
+
+        draft_tokenizer = load_tokenizer_or_none(draft.path)
+        proposer = load_draft_proposer(
+            draft.path, draft.config, placement.plan, dtype, placement.attn_backend, eos_token_ids, config.seed,
+            target_vocab=tokenizer.get_vocab() if tokenizer is not None else None,
+            draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
+            max_catch_up_tokens=config.max_num_batched_tokens,
+            quantization=resolve_quantization(draft.path, spec.quantization, dtype=config.dtype,
+                                              quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None),
+            target_runner=runner if draft.shares_kv else None)
+    return Speculator(spec, max_model_len, proposer)

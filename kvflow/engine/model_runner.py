@@ -11,14 +11,15 @@ Only those rows go through the LM head and the sampler. A speculating sequence's
 follow its last token in the same row of the batch, like a short prefill chunk; its last
 1 + k positions are all sampled rows, and the rejection sampler decides which drafts stand.
 A request with prompt_logprobs also sends its chunk's prompt rows through the LM head, a
-slice at a time (`prompt_logprobs.py`). With LoRA adapters, the LoRA manager learns each row's
-adapter before the forward pass (kvflow/lora/manager.py).
+slice at a time (`prompt_logprobs.py`). An embedding request's rows go to the pooler instead
+of the LM head (`kvflow/pooling/pooler.py`); it is never sampled. With LoRA adapters, the LoRA
+manager learns each row's adapter before the forward pass (kvflow/lora/manager.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from kvflow.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprob
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvflow.engine.sequence import Sequence
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
+from kvflow.pooling.pooler import PooledOutput, pool_step
 from kvflow.sampling.sampler import Sampler, SamplingMetadata, greedy
 from kvflow.spec_decode.rejection_sampler import RejectionSampler, verify_greedy
 from kvflow.structured_output.manager import fill_token_bitmask
@@ -61,11 +63,13 @@ class SampledTokens:
 
 @dataclass
 class StepOutput:
-    """What one step computed: tokens of the sequences that completed their chunk, and new
-    prompt logprob entries of the sequences that asked for them (partial chunks included)."""
+    """What one step computed: tokens of the sequences that completed their chunk, new
+    prompt logprob entries of the sequences that asked for them (partial chunks included), and
+    the vectors of embedding requests whose prompt the step completed."""
 
     sampled: list[SampledTokens]
     prompt_logprobs: list[PromptLogprobs]
+    pooled: list[PooledOutput] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -118,7 +122,7 @@ class ModelRunner:
 
         seq_lens = starts + lens
         num_decodes = int(np.argmax(lens > 1)) if (lens > 1).any() else len(items)
-        sampled = [i for i, it in enumerate(items) if it.is_sampled]
+        sampled = [i for i, it in enumerate(items) if it.is_sampled and it.seq.pooling is None]
         ends = query_start[1:][sampled]
         num_rows = np.fromiter((1 + len(items[i].spec_token_ids) for i in sampled), dtype=np.int64, count=len(sampled))
         if len(sampled) == 0 or num_rows.max() == 1:
@@ -179,14 +183,15 @@ class ModelRunner:
         else:
             inputs = self._to_device(host)
             hidden = self._forward(inputs)
-        prompt_logprobs = compute_prompt_logprobs(hidden, out.scheduled, inputs.attn_metadata.query_start_loc,
-                                                  self.model.compute_logits)
+        query_start = inputs.attn_metadata.query_start_loc
+        prompt_logprobs = compute_prompt_logprobs(hidden, out.scheduled, query_start, self.model.compute_logits)
+        pooled = pool_step(hidden, out.scheduled, query_start)
         if not inputs.sampled:
-            return StepOutput([], prompt_logprobs)
+            return StepOutput([], prompt_logprobs, pooled)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if not any(it.spec_token_ids for it in inputs.sampled):
-            return StepOutput(self.sample(logits, [it.seq for it in inputs.sampled]), prompt_logprobs)
-        return StepOutput(self.sample_speculative(logits, inputs.sampled), prompt_logprobs)
+            return StepOutput(self.sample(logits, [it.seq for it in inputs.sampled]), prompt_logprobs, pooled)
+        return StepOutput(self.sample_speculative(logits, inputs.sampled), prompt_logprobs, pooled)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledTokens]:
         meta = self._sampling_metadata(seqs, [s.output_token_ids for s in seqs], logits.shape[-1])

@@ -11,9 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvflow.engine.parallel_sampling import SampleGroup
 from kvflow.engine.sequence import Sequence
-from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from kvflow.sampling.detokenizer import CompletionText
 from kvflow.spec_decode.speculator import SpecDecodeStats
 
@@ -58,25 +60,35 @@ def make_output(req: RequestState) -> RequestOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
-    metrics = RequestMetrics(
-        arrival_time=seq.arrival_time,
-        first_scheduled_time=seq.first_scheduled_time,
-        first_token_time=seq.first_token_time,
-        last_token_time=time.time(),
-        finished_time=seq.finished_time,
-        num_preemptions=seq.num_preemptions,
-    )
     return RequestOutput(
         request_id=seq.request_id,
         prompt=seq.prompt,
         prompt_token_ids=seq.prompt_token_ids,
         outputs=[completion],
         finished=seq.is_finished,
-        metrics=metrics,
+        metrics=_metrics(seq),
         num_cached_tokens=max(seq.num_cached_tokens, 0),
         new_token_ids=req.new_token_ids,
         new_text=req.new_text,
         prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         prompt_token_ranks=list(seq.prompt_token_ranks) if seq.params.prompt_logprobs is not None else None,
         lora_request=seq.lora_request,
+    )
+
+
+def make_pooling_output(seq: Sequence, data: torch.Tensor) -> PoolingRequestOutput:
+    """An embedding request's one and final output."""
+    return PoolingRequestOutput(seq.request_id, PoolingOutput(data), seq.prompt_token_ids, True, prompt=seq.prompt,
+                                num_cached_tokens=max(seq.num_cached_tokens, 0), metrics=_metrics(seq),
+                                lora_request=seq.lora_request)
+
+
+def _metrics(seq: Sequence) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=seq.arrival_time,
+        first_scheduled_time=seq.first_scheduled_time,
+        first_token_time=seq.first_token_time,
+        last_token_time=time.time(),
+        finished_time=seq.finished_time,
+        num_preemptions=seq.num_preemptions,
     )

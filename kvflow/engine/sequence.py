@@ -74,6 +74,8 @@ class Sequence:
     # The prefix cache's chain root (kv_cache_manager.hash_block): None for the base model's K/V;
     # an adapter's or a cache_salt's own, so their blocks are found by nobody else.
     hash_root: bytes | None = None
+    # An embedding request (kvflow.pooling.PoolingState): its prompt is pooled, nothing is sampled.
+    pooling: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -108,6 +110,8 @@ class Sequence:
         preemption, and no limit once every prompt entry is in.
         """
         limit = self.num_tokens - 1
+        if self.pooling is not None:  # MEAN pooling needs every position's hidden state too
+            limit = self.pooling.cacheable_limit(self.num_tokens)
         if self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
             limit = min(limit, max(len(self.prompt_logprobs) - 1, 0))
         return limit

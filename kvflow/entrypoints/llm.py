@@ -9,7 +9,8 @@ from kvflow.config import EngineConfig
 from kvflow.engine.inputs import render_chat
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling.params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -55,21 +56,43 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. `lora_request`: the LoRA
         adapter to run with (engine started with `enable_lora=True`), one for all prompts or one
         (or None, the base model) per prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; pass one or one per prompt"
-                )
+        prompts = _as_prompt_list(prompts)
+        params_list = _one_per_prompt(SamplingParams() if sampling_params is None else sampling_params,
+                                      SamplingParams, len(prompts), "sampling_params")
         defaults = self.engine.sampling_defaults.values
         params_list = [params.with_defaults(defaults) for params in params_list]
+        return self._submit_and_run(prompts, params_list, use_tqdm, priority, lora_request)
+
+    def encode(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's hidden states into one vector (`pooler_config` says how: the last
+        token by default, L2-normalised); outputs in input order, `outputs.data` a float32 tensor."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _one_per_prompt(PoolingParams() if pooling_params is None else pooling_params, PoolingParams,
+                                      len(prompts), "pooling_params")
+        return self._submit_and_run(prompts, params_list, use_tqdm, priority, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """`encode`, with each vector as `outputs.embedding`, a list of floats (vLLM's `LLM.embed`)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
+        return [EmbeddingRequestOutput.from_base(out) for out in outs]
+
+    def _submit_and_run(self, prompts: list[PromptInput], params_list: list[SamplingParams | PoolingParams],
+                        use_tqdm: bool, priority: list[int] | None,
+                        lora_request: LoRARequest | Seq[LoRARequest | None] | None) -> list:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
@@ -132,9 +155,9 @@ class LLM:
                            chat_template_kwargs=chat_template_kwargs)
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
         pending = set(ids)
-        final: dict[str, RequestOutput] = {}
+        final: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
@@ -158,3 +181,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, a prompt dict or a list of token ids) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _one_per_prompt(params: Any, kind: type, num_prompts: int, name: str) -> list:
+    """The same params for every prompt, or a list of exactly one per prompt."""
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"{name}: got {len(params)} for {num_prompts} prompts; pass one or one per prompt")
+    return params

@@ -35,6 +35,7 @@ from kvflow.entrypoints.request_stream import (EngineDeadError, EngineOverloaded
 from kvflow.loader.generation_config import SamplingDefaults
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling.params import SamplingParams
 
 logger = logging.getLogger("kvflow")
@@ -44,7 +45,7 @@ logger = logging.getLogger("kvflow")
 class _AddCommand:
     request_id: str
     prompt: PromptInput
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     priority: int
     stream: RequestStream
@@ -148,7 +149,7 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         kv_transfer_params: dict | None = None,
@@ -163,7 +164,7 @@ class AsyncEngine:
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
-        if params is not None and params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Compile on a worker thread (xgrammar compiles in C++, not holding the GIL throughout), so
             # the engine thread keeps stepping; its add_request then finds the grammar cached.
             await loop.run_in_executor(None, self.engine.compile_structured_output, params)

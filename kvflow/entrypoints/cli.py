@@ -127,13 +127,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    """`kvflow bench {throughput,prefix,latency,speculative,quality,serve,router,disagg,roofline,collectives}`; each
-    module defers its heavy imports to its run()."""
-    from kvflow.bench import (collectives, disagg, latency, prefix, quality, roofline, router, serve, speculative,
-                              throughput)
+    """`kvflow bench {throughput,prefix,latency,speculative,quality,embed,serve,router,disagg,roofline,collectives}`;
+    each module defers its heavy imports to its run()."""
+    from kvflow.bench import (collectives, disagg, embed, latency, prefix, quality, roofline, router, serve,
+                              speculative, throughput)
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, serve, router, "
-                                     "disagg, roofline, collectives")
+    p = sub.add_parser("bench", help="benchmarks: throughput, prefix, latency, speculative, quality, embed, serve, "
+                                     "router, disagg, roofline, collectives")
     kinds = p.add_subparsers(dest="bench_command", metavar="BENCH")
     # (name, module, help, whether it builds an engine here and so takes the engine options)
     benches = [
@@ -142,6 +142,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         ("latency", latency, "one request at a time: TTFT and inter-token latency (W-latency)", True),
         ("speculative", speculative, "the same requests with and without --speculative-config, in one run", True),
         ("quality", quality, "perplexity and top-1 agreement of quantization modes on a shipped text", True),
+        ("embed", embed, "embedding throughput (W-embed), optionally vs transformers, with the vectors compared",
+         True),
         ("serve", serve, "load-test an OpenAI-compatible server (Poisson arrivals, streaming)", False),
         ("router", router, "prefill tokens behind kvflow router: cache-aware vs round-robin over fresh instances",
          False),

@@ -89,6 +89,9 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: the largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA: loaded adapters kept while no request uses them (default --max-loras)")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='how /v1/embeddings pools a prompt, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
+                        "(default: the last token, L2-normalised)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -98,7 +98,7 @@ class Router:
 
     # ---- forwarding ----------------------------------------------------------------------------
     async def forward(self, path: str, raw: Request) -> Response:
-        from kvflow.entrypoints.routing import prompt_key
+        from kvflow.entrypoints.routing import prompt_key, prompt_namespace
 
         body_bytes = await raw.body()
         try:
@@ -107,10 +107,10 @@ class Router:
             body = None
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
-        key = prompt_key(path, body)
+        key, namespace = prompt_key(path, body), prompt_namespace(body)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
-        if self.prefills:
-            body_bytes = await self.prefill(path, body, body_bytes, key, headers)
+        if self.prefills and not path.endswith("embeddings"):  # an embedding is all prompt: nothing to hand over
+            body_bytes = await self.prefill(path, body, body_bytes, key, namespace, headers)
         tried: set[str] = set()
         while True:
             candidates = [i for i in self.healthy() if i.url not in tried]
@@ -118,7 +118,7 @@ class Router:
                 return error_response(503, "no kvflow instance is available behind this router "
                                            f"({len(self.instances)} configured, all down)", "server_error",
                                       code="no_instance")
-            choice = self.policy.choose(candidates, key)
+            choice = self.policy.choose(candidates, key, namespace)
             inst = choice.instance
             tried.add(inst.url)
             request = self.client.build_request("POST", inst.url + path, content=body_bytes, headers=headers)
@@ -140,7 +140,8 @@ class Router:
             self.routed[choice.reason] += 1
             return await self._relay(inst, upstream, bool(body.get("stream")))
 
-    async def prefill(self, path: str, body: dict, body_bytes: bytes, key: Any, headers: dict) -> bytes:
+    async def prefill(self, path: str, body: dict, body_bytes: bytes, key: Any, namespace: str,
+                      headers: dict) -> bytes:
         """Start the prompt's prefill on a prefill instance; the body the decode instance gets, at once.
 
         The prefill runs as the same request cut to one token, in the background: the decode body
@@ -154,7 +155,7 @@ class Router:
         if not candidates:
             self.disaggregated["fallback"] += 1
             return body_bytes
-        inst = self.prefill_policy.choose(candidates, key).instance
+        inst = self.prefill_policy.choose(candidates, key, namespace).instance
         short = {**body, "max_tokens": 1, "stream": False, "n": 1, "min_tokens": 0, "echo": False,
                  "kv_transfer_params": {"do_remote_decode": True}}
         for name in ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs"):
@@ -312,7 +313,7 @@ def build_router_app(router: Router) -> FastAPI:
             return await send(path, raw)
         app.add_api_route(path, route, methods=["POST"])
 
-    for path in ("/v1/completions", "/v1/chat/completions"):  # routed by the policy
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):  # routed by the policy
         post_route(path, router.forward)
     for path in ("/tokenize", "/detokenize"):  # any instance answers these alike
         post_route(path, router.to_any)

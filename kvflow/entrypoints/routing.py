@@ -16,6 +16,12 @@ chunks go first), like the cache it approximates.
   3. Else no instance holds much of it: take the least loaded (ties: the smallest record, which
      has the most room).
 Then the prompt is recorded on the chosen instance. `RoundRobinPolicy` is the baseline.
+
+Blocks are shared only within a namespace: an instance keys a LoRA adapter's K/V and a
+`cache_salt`'s apart from the base model's, so the chain of hashes starts from the request's
+`model` and `cache_salt` (`prompt_namespace`). A client that names the base model and one that
+leaves `model` out are told apart too: the router does not know which name is the base, and the
+cost is only a missed affinity.
 """
 
 from __future__ import annotations
@@ -30,9 +36,16 @@ TOKEN_CHUNK = 16  # token ids per hashed chunk (a KV block's worth)
 MAX_CHUNKS = 1 << 16  # per instance
 
 
+def prompt_namespace(body: dict[str, Any]) -> str:
+    """Whose blocks the prompt can share: its model (base or adapter) and cache_salt."""
+    model, salt = body.get("model"), body.get("cache_salt")
+    return "" if model is None and salt is None else f"{model}\x00{salt}"
+
+
 def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
-    """What identifies a request's prompt: its text, its token ids, or its chat messages in order."""
-    if path.endswith("chat/completions"):
+    """What identifies a request's prompt: its text, its token ids, or its chat messages in order
+    (an embedding request's `input`, or its `messages`)."""
+    if path.endswith("chat/completions") or (path.endswith("embeddings") and body.get("messages") is not None):
         parts = []
         for m in body.get("messages") or []:
             content = m.get("content") if isinstance(m, dict) else None
@@ -40,7 +53,7 @@ def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
                 content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
             parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}\x00{content or ''}\x01")
         return "".join(parts)
-    prompt = body.get("prompt", "")
+    prompt = body.get("input", "") if path.endswith("embeddings") else body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):  # a batch: its first prompt
         prompt = prompt[0]
     if isinstance(prompt, list):
@@ -48,10 +61,11 @@ def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
     return str(prompt)
 
 
-def chunk_hashes(key: str | list[int]) -> list[int]:
-    """Chained hashes of the key's full chunks: hash i stands for the prefix key[: (i + 1) * chunk]."""
+def chunk_hashes(key: str | list[int], namespace: str = "") -> list[int]:
+    """Chained hashes of the key's full chunks: hash i stands for the prefix key[: (i + 1) * chunk]
+    within `namespace` (`prompt_namespace`), where the chain starts."""
     size = TOKEN_CHUNK if isinstance(key, list) else TEXT_CHUNK
-    out, h = [], 0
+    out, h = [], hash(namespace) if namespace else 0
     for start in range(0, len(key) - size + 1, size):
         piece = key[start:start + size]
         h = hash((h, tuple(piece) if isinstance(piece, list) else piece))
@@ -121,8 +135,8 @@ class CacheAwarePolicy:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
 
-    def choose(self, instances: list[Instance], key: str | list[int]) -> Choice:
-        hashes = chunk_hashes(key)
+    def choose(self, instances: list[Instance], key: str | list[int], namespace: str = "") -> Choice:
+        hashes = chunk_hashes(key, namespace)
         loads = [i.in_flight for i in instances]
         lo, hi = min(loads), max(loads)
         least = min(instances, key=lambda i: (i.in_flight, len(i.index)))
@@ -145,7 +159,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, instances: list[Instance], key: str | list[int]) -> Choice:
+    def choose(self, instances: list[Instance], key: str | list[int], namespace: str = "") -> Choice:
         return Choice(instances[next(self._turn) % len(instances)], 0, 0, "round_robin")
 
 

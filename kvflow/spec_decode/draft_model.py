@@ -64,6 +64,7 @@ class DraftSequence:
     # A seeded request's guesses come from a stream of their own, so that guessing never
     # shifts the request's generator, which verification alone draws from.
     generator: torch.Generator | None = None
+    pooling = None  # never an embedding request (ModelRunner asks); not a field
 
     @property
     def num_tokens(self) -> int:

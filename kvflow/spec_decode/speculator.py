@@ -108,8 +108,8 @@ class Speculator:
             return
         chosen, ks = [], []
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                continue  # still prefilling (or recomputing after preemption)
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.pooling is not None:
+                continue  # still prefilling (or recomputing after preemption), or an embedding: nothing to draft
             k = self._max_drafts(seq)
             state = self._state.setdefault(seq.request_id, _SequenceState())
             if k < 1:

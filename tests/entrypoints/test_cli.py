@@ -86,6 +86,8 @@ def test_parser_has_subcommands_and_engine_options():
     assert args.func is cli.run_serve and args.host == "127.0.0.1" and args.port == 9001
     assert config.kv_cache_memory == 512 << 20 and config.enable_prefix_caching is False and config.num_threads == 2
     assert cli.main([]) == 2  # no subcommand: help, failure status
+    pooled = cli.engine_config_from_args(parser.parse_args(["serve", "--pooler-config", '{"pooling_type": "mean"}']))
+    assert (pooled.pooler_config.pooling_type, pooled.pooler_config.normalize) == ("MEAN", True)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -96,6 +98,7 @@ def test_parser_has_subcommands_and_engine_options():
     (["--enable-lora", "--lora-modules", "a"], "is not name=path"),
     (["--enable-lora", "--lora-modules", "a=/nonexistent/adapter"], "is not a directory"),
     (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
+    (["--pooler-config", '{"pooling_type": "CLS"}'], "pooling_type 'CLS' is not supported"),
 ])
 def test_tool_call_and_lora_flags_are_checked_before_the_weights_load(flags, message):
     args = cli.build_parser().parse_args(["serve", "--model", "/nonexistent", *flags])

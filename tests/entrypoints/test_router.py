@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.entrypoints.router import Router, build_router_app
-from kvflow.entrypoints.routing import CacheAwarePolicy, Instance, RoundRobinPolicy, chunk_hashes, prompt_key
+from kvflow.entrypoints.routing import (CacheAwarePolicy, Instance, RoundRobinPolicy, chunk_hashes, prompt_key,
+                                       prompt_namespace)
 
 from ..conftest import save_tiny_llama
 from .conftest import httpx, start_uvicorn
@@ -116,6 +117,11 @@ def test_answers_and_streams_pass_through(cluster):
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == direct
     assert http.get("/v1/models").json()["data"][0]["id"] == NAME
+    for url in ("", http.pd_url):  # embeddings are routed too, never split into prefill and decode
+        embedded = http.post(url + "/v1/embeddings", json={"model": NAME, "input": [prompt, prompt[:9]]})
+        assert embedded.status_code == 200, embedded.text
+        direct = httpx.post(procs[1][1] + "/v1/embeddings", json={"model": NAME, "input": [prompt, prompt[:9]]})
+        assert embedded.json()["data"] == direct.json()["data"]
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
         via, direct = http.post(path, json=body), httpx.post(procs[1][1] + path, json=body)
         assert (via.status_code, via.json()) == (direct.status_code, direct.json())  # no tokenizer here: a 400
@@ -238,3 +244,24 @@ def test_policy_prefers_the_longest_prefix_and_balances_load():
     assert [rr.choose([a, b], []).instance.url for _ in range(3)] == ["a", "b", "a"]
     assert prompt_key("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) == "user\x00hi\x01"
     assert len(chunk_hashes("x" * 100)) == 3
+
+
+def test_adapters_and_salts_are_routed_as_their_own_prefixes():
+    """A LoRA adapter's or a cache_salt's blocks are keyed apart on the instance, so the same
+    prompt under another namespace matches nothing recorded under the first."""
+    a, b = Instance("a"), Instance("b")
+    policy = CacheAwarePolicy(cache_threshold=0.5)
+    prompt = list(range(3, 3 + 160))
+    base = {"prompt": prompt}
+    first = policy.choose([a, b], prompt, prompt_namespace(base))
+    assert first.reason == "load" and policy.choose([a, b], prompt, prompt_namespace(base)).reason == "cache"
+    for body in ({"prompt": prompt, "model": "sql-adapter"}, {"prompt": prompt, "cache_salt": "tenant-7"}):
+        assert prompt_namespace(body) != prompt_namespace(base)
+        assert policy.choose([a, b], prompt, prompt_namespace(body)).reason == "load"
+    assert chunk_hashes(prompt, "x") != chunk_hashes(prompt) and chunk_hashes(prompt, "") == chunk_hashes(prompt)
+
+
+def test_embedding_requests_are_keyed_by_their_input():
+    assert prompt_key("/v1/embeddings", {"input": "some text"}) == "some text"
+    assert prompt_key("/v1/embeddings", {"input": [[5, 6], [7]]}) == [5, 6]
+    assert prompt_key("/v1/embeddings", {"messages": [{"role": "user", "content": "hi"}]}) == "user\x00hi\x01"

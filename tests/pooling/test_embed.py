@@ -232,3 +232,28 @@ def test_refused_pooler_config(value, message):
 
     with pytest.raises(ValueError, match=f"pooler_config: .*{message}"):
         EngineConfig(pooler_config=value)
+
+
+def test_with_speculative_decoding(tiny):
+    """Embeddings beside speculating requests: nothing is drafted for them, vectors unchanged."""
+    path, hf = tiny
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = llm.engine
+    gen = [p * 3 for p in prompts(12, 3, 4, 8)]  # repetitive: the n-gram proposer drafts
+    emb = prompts(13, 3, 17, 33)
+    for i, (g, e) in enumerate(zip(gen, emb)):
+        engine.add_request(f"g{i}", {"prompt_token_ids": g}, SamplingParams(temperature=0, max_tokens=12,
+                                                                             ignore_eos=True))
+        engine.add_request(f"e{i}", {"prompt_token_ids": e}, PoolingParams())
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.speculator.stats.num_draft_tokens > 0
+    for i, e in enumerate(emb):
+        torch.testing.assert_close(done[f"e{i}"].outputs.data, hf_vector(hf, e), rtol=1e-4, atol=1e-5)
+    for i, g in enumerate(gen):
+        ref, gaps = hf_greedy(hf, g, 12)[:2]
+        assert_greedy_match(done[f"g{i}"].outputs[0].token_ids, ref, gaps, f"g{i}")

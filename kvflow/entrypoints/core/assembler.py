@@ -14,6 +14,7 @@ order of checks, token by token:
    text cut) and later tokens of the step (speculative drafts) are dropped, as in-process;
 4. else a "length" finish of the core stands.
 
+An embedding request has no completions: its one entry is its vector (`decode_pooled`).
 A completion that a stop string ended is still running in the core; `Assembled` says what to
 abort there (the request, or one sample of an n > 1 request) so its blocks are freed at once.
 The cumulative logprob is summed here, over the kept tokens in order, as the engine sums it.
@@ -25,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.entrypoints.core import wire
+from kvflow.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling.detokenizer import CompletionText
 from kvflow.sampling.params import SamplingParams
 
@@ -44,7 +47,7 @@ class _Completion:
 class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     completions: list[_Completion]
     prompt_logprobs: list | None = None
     prompt_token_ranks: list | None = None
@@ -67,7 +70,11 @@ class OutputAssembler:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
 
-    def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+              params: SamplingParams | PoolingParams) -> None:
+        if isinstance(params, PoolingParams):
+            self._requests[request_id] = _Request(prompt, prompt_token_ids, params, [])
+            return
         logprobs = params.logprobs is not None
         completions = [_Completion(CompletionText(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                   params.stop, params.include_stop_str_in_output),
@@ -77,6 +84,11 @@ class OutputAssembler:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def decode_pooled(self, entry: list) -> PoolingRequestOutput | None:
+        """An embedding's one entry as its output; None when the request is no longer followed here."""
+        req = self._requests.pop(entry[0], None)
+        return None if req is None else wire.decode_pooled(entry, req.prompt, req.prompt_token_ids)
 
     def decode(self, entry: list) -> Assembled | None:
         """The output of one core entry; None when the request is no longer followed here (aborted)."""

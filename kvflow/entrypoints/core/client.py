@@ -41,6 +41,7 @@ from kvflow.entrypoints.core import wire
 from kvflow.entrypoints.core.assembler import OutputAssembler
 from kvflow.loader.generation_config import SamplingDefaults
 from kvflow.lora.request import LoRARequest
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling.params import SamplingParams
 
 logger = logging.getLogger("kvflow")
@@ -136,7 +137,8 @@ class EngineCoreClient:
         return self._kv_info
 
     # ---- the asyncio side ------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+    async def add_request(self, request_id: str, prompt: PromptInput,
+                          params: SamplingParams | PoolingParams | None = None,
                           arrival_time: float | None = None, priority: int = 0,
                           kv_transfer_params: dict | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
@@ -146,7 +148,7 @@ class EngineCoreClient:
         salt = cache_salt_of(prompt)
         # Token ids are checked here as the core would, before this side's detokenizer reads them.
         check_prompt_token_ids(ids, self.vocab_size)
-        if params is not None:
+        if isinstance(params, SamplingParams):
             params.check_token_ids(self.vocab_size)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
@@ -160,7 +162,9 @@ class EngineCoreClient:
             self._assembler.start(request_id, text, ids, params)
         try:
             # The core makes token ids only; the text and its stop strings are the assembler's.
-            core_params = {**wire.encode_params(params), "stop": [], "detokenize": False}
+            core_params = wire.encode_params(params)
+            if isinstance(params, SamplingParams):
+                core_params.update(stop=[], detokenize=False)
             try:
                 self._send((wire.ADD, request_id, text, ids, core_params, arrival_time or time.time(),
                             priority, kv_transfer_params, wire.encode_lora(lora_request), salt))
@@ -268,6 +272,10 @@ class EngineCoreClient:
                     if len(entry) == 4:  # [rid, kind, message, extra]: the request failed
                         item: Any = wire.decode_error(*entry[1:])
                         done = True
+                    elif len(entry) == 5:  # an embedding's vector (wire.encode_pooled)
+                        item, done = self._assembler.decode_pooled(entry), True
+                        if item is None:
+                            continue
                     else:
                         assembled = self._assembler.decode(entry)
                         if assembled is None:

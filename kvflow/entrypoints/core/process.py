@@ -37,6 +37,7 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine, RequestStream
 from kvflow.entrypoints.core import wire
 from kvflow.distributed.kv_transfer.zmq_connector import kv_transfer_info
+from kvflow.outputs import PoolingRequestOutput
 
 logger = logging.getLogger("kvflow")
 STATS_INTERVAL_S = 0.05  # idle stats refresh (aborts free blocks without any output)
@@ -171,7 +172,8 @@ class _CoreServer:
             self._send((wire.ADDED, rid))
             try:
                 async for out in stream:
-                    self.outbox.append(self.deltas.encode(out))
+                    pooled = isinstance(out, PoolingRequestOutput)  # an embedding: its vector, once
+                    self.outbox.append(wire.encode_pooled(out) if pooled else self.deltas.encode(out))
                     self._schedule_flush()
             except Exception as exc:  # EngineStepError / EngineDeadError: the request's own error
                 self.outbox.append([rid, *wire.encode_error(exc)])

@@ -5,7 +5,8 @@ carries every request's output of that step as a *delta*: the engine's `RequestO
 the whole token list so far, which re-sent each step would cost O(n^2) bytes over a stream; the
 core sends the new token ids (and logprobs) with the finish reason of EOS, stop tokens and
 `max_tokens`, and the client (`assembler.OutputAssembler`) detokenizes them, matches the stop
-strings and rebuilds the cumulative output. No text crosses: the core never detokenizes.
+strings and rebuilds the cumulative output. No text crosses: the core never detokenizes. An
+embedding request's one output is its vector, as float32 bytes (`encode_pooled`).
 
 Rare messages that carry arbitrary Python objects (the dashboard's `call(fn)`: a module-level
 function and its pool snapshot) are pickled inside the msgpack frame. Both ends are this
@@ -20,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
+import torch
 
 from kvflow.engine.llm_engine import EngineStats
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from kvflow.pooling.params import PoolingParams
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import SpecDecodeStats
 from kvflow.structured_output.params import StructuredOutputsParams
@@ -44,8 +48,10 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
 
 
-# ---- sampling params ----------------------------------------------------------------------------
-def encode_params(params: SamplingParams) -> dict[str, Any]:
+# ---- sampling and pooling params ----------------------------------------------------------------
+def encode_params(params: SamplingParams | PoolingParams) -> dict[str, Any]:
+    if isinstance(params, PoolingParams):
+        return {"pooling": dataclasses.asdict(params)}
     out = {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)}
     so = params.structured_outputs
     if so is not None:
@@ -53,7 +59,9 @@ def encode_params(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def decode_params(data: dict[str, Any]) -> SamplingParams:
+def decode_params(data: dict[str, Any]) -> SamplingParams | PoolingParams:
+    if "pooling" in data:
+        return PoolingParams(**data["pooling"])
     so = data.get("structured_outputs")
     if so is not None:
         data = {**data, "structured_outputs": StructuredOutputsParams(**so)}
@@ -146,11 +154,29 @@ class OutputDeltas:
             prompt_lps, ranks = out.prompt_logprobs, out.prompt_token_ranks
         if out.finished:
             self.forget(out.request_id)
-        m = out.metrics
-        return [out.request_id, out.finished, out.num_cached_tokens,
-                [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time,
-                 m.num_preemptions], comps, prompt_lps, ranks]
+        return [out.request_id, out.finished, out.num_cached_tokens, _encode_metrics(out.metrics), comps, prompt_lps,
+                ranks]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
         self._prompt_logprobs_sent.pop(request_id, None)
+
+
+def _encode_metrics(m: RequestMetrics) -> list:
+    return [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time,
+            m.num_preemptions]
+
+
+# ---- an embedding's vector ----------------------------------------------------------------------
+def encode_pooled(out: PoolingRequestOutput) -> list:
+    """[request_id, num_cached_tokens, metrics, float32 bytes, "pooled"]: five items (a token delta
+    has seven, an error four)."""
+    data = out.outputs.data.numpy().astype("<f4").tobytes()
+    return [out.request_id, out.num_cached_tokens, _encode_metrics(out.metrics), data, "pooled"]
+
+
+def decode_pooled(entry: list, prompt: str | None, prompt_token_ids: list[int]) -> PoolingRequestOutput:
+    rid, num_cached, metrics, data, _ = entry
+    vector = torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
+    return PoolingRequestOutput(rid, PoolingOutput(vector), prompt_token_ids, True, prompt=prompt,
+                                num_cached_tokens=num_cached, metrics=RequestMetrics(*metrics))

@@ -18,7 +18,7 @@ from kvflow.entrypoints.openai import protocol as p
 
 _FIELD = re.compile(r"[A-Za-z_]+")
 _KNOWN_PARAMS = (set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
-                 | {"stop_token_ids", "request_id"})
+                 | {"stop_token_ids", "request_id", "input", "dimensions", "normalize"})  # the last: /v1/embeddings
 
 
 class ClientDisconnected(Exception):

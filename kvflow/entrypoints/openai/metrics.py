@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
 from kvflow.engine.request_state import EngineStats
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import PoolingRequestOutput, RequestOutput
 from kvflow.spec_decode.speculator import SpecDecodeStats
 
 PREFIX = "kvflow:"
@@ -189,7 +189,10 @@ class RequestTracker:
     done: bool = field(default=False)
     sample_tokens: list[int] = field(default_factory=list)
 
-    def on_output(self, out: RequestOutput) -> None:
+    def on_output(self, out: RequestOutput | PoolingRequestOutput) -> None:
+        if isinstance(out, PoolingRequestOutput):  # an embedding: one output, no tokens
+            self._on_pooled(out)
+            return
         m, t = self.metrics, out.metrics
         counts = [len(c.token_ids) for c in out.outputs]
         previous = self.sample_tokens + [0] * (len(counts) - len(self.sample_tokens))
@@ -220,3 +223,12 @@ class RequestTracker:
                 m.tpot.observe(max(end - t.first_token_time, 0.0) / (longest - 1))
             for c in out.outputs:
                 m.request_success.labels(m.model_name, c.finish_reason or "unknown").inc()
+
+    def _on_pooled(self, out: PoolingRequestOutput) -> None:
+        m, t = self.metrics, out.metrics
+        if t is not None:
+            if t.first_scheduled_time is not None:
+                m.queue.observe(max(t.first_scheduled_time - t.arrival_time, 0.0))
+            m.e2e.observe(max((t.finished_time or time.time()) - t.arrival_time, 0.0))
+        self.done = True
+        m.request_success.labels(m.model_name, "stop").inc()

@@ -2,7 +2,7 @@
 
 `build_app` wires one engine to one app: /v1/models (the base model and its LoRA adapters,
 adapters.py), /v1/completions, /v1/chat/completions
-(JSON or SSE streaming in OpenAI's chunk format), /tokenize and /detokenize (vLLM's),
+(JSON or SSE streaming in OpenAI's chunk format), /v1/embeddings (embeddings.py), /tokenize and /detokenize (vLLM's),
 /health, /metrics and /version. Every error
 leaves in OpenAI's shape {"error": {message, type, param, code}} with the status an OpenAI
 client expects, so SDK exception classes map one to one. A request whose client went away
@@ -31,6 +31,7 @@ from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.adapters import ServedModels, register_adapter_routes, runtime_updating_allowed
 from kvflow.entrypoints.openai.auth import APIKeyMiddleware
 from kvflow.entrypoints.openai.dashboard import register_dashboard
+from kvflow.entrypoints.openai.embeddings import register_embeddings
 from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -390,5 +391,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             404, "this instance has no --kv-transfer-config", code="kv_transfer_disabled")
 
     register_tokenization(app, server)
+    register_embeddings(app, server)
     register_dashboard(app, engine, metrics, served_model_name, api_key)
     return app

@@ -6,10 +6,12 @@ from kvflow.lora.request import LoRARequest
 from kvflow.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
                             PoolingRequestOutput, RequestOutput)
 from kvflow.pooling.params import PoolerConfig, PoolingParams
+from kvflow.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "PoolerConfig",
            "EngineConfig", "RequestOutput", "CompletionOutput", "PoolingRequestOutput", "PoolingOutput",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "__version__"]

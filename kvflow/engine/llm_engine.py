@@ -20,8 +20,6 @@ import copy
 import logging
 import time
 
-import torch
-
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads

@@ -116,6 +116,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        return self.engine.eos_token_ids
+
+    @property
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's defaults for the sampling fields a request leaves unset (generation_config)."""
         return self.engine.sampling_defaults

@@ -6,11 +6,12 @@ import itertools
 from typing import Any, Sequence as Seq
 
 from kvflow.config import EngineConfig
-from kvflow.engine.inputs import render_chat
+from kvflow.engine.inputs import cache_salt_of, render_chat
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from kvflow.pooling.params import PoolingParams
+from kvflow.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvflow.sampling.params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -90,15 +91,43 @@ class LLM:
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_base(out) for out in outs]
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best continuations of each prompt (vLLM's `LLM.beam_search`;
+        kvflow/sampling/beam_search.py): all beams of all prompts run as one batch per step, and
+        the prefix cache serves the blocks they share."""
+        prompts = _as_prompt_list(prompts)
+        loras = _one_per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora_request")
+        engine = self.engine
+        searches, salts = [], {}
+        for prompt, lora in zip(prompts, loras):
+            ids = engine.tokenize(prompt)[1]
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len, lora))
+            salt = cache_salt_of(prompt)
+            salts[id(searches[-1])] = {"cache_salt": salt} if salt is not None else {}
+        while live := [s for s in searches if not s.done]:
+            beams = [(s, beam) for s in live for beam in s.beams]
+            outs = self._submit_and_run([{"prompt_token_ids": beam.tokens, **salts[id(s)]} for s, beam in beams],
+                                        [s.step_params() for s, _ in beams], use_tqdm=False, priority=None,
+                                        lora_request=[beam.lora_request for _, beam in beams])
+            at = 0
+            for s in live:
+                n = len(s.beams)
+                s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + n]])
+                at += n
+        return [s.result(engine.tokenizer) for s in searches]
+
     def _submit_and_run(self, prompts: list[PromptInput], params_list: list[SamplingParams | PoolingParams],
                         use_tqdm: bool, priority: list[int] | None,
                         lora_request: LoRARequest | Seq[LoRARequest | None] | None) -> list:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
-        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
-            else list(lora_request)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts; pass one or one per prompt")
+        loras = _one_per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora_request")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):

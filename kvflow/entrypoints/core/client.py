@@ -95,6 +95,7 @@ class EngineCoreClient:
         self.dtype_name: str = info["dtype"]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.eos_token_ids: list[int] = info["eos_token_ids"]
         values, source = info["sampling_defaults"]
         self.sampling_defaults = SamplingDefaults(values, source)
         self.core_pid: int = info["pid"]

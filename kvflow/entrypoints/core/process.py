@@ -112,7 +112,7 @@ class _CoreServer:
         defaults = e.sampling_defaults
         await self.out_sock.send(wire.pack((wire.READY, {
             "model_path": e.model_path, "dtype": e.dtype_name, "max_model_len": e.max_model_len,
-            "vocab_size": e.engine.model_config.vocab_size,
+            "vocab_size": e.engine.model_config.vocab_size, "eos_token_ids": e.eos_token_ids,
             "sampling_defaults": [defaults.values, defaults.source], "tokenizer": e.engine.config.tokenizer,
             "stats": wire.encode_stats(e.get_stats()), "pid": os.getpid(), "kv_transfer": kv_transfer_info(e)})))
         watch = asyncio.ensure_future(self._watch())

@@ -6,7 +6,9 @@ an error body, and the exception that marks a client gone mid-response.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.entrypoints.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.entrypoints.openai.structured import name_field
+from kvflow.structured_output.backend import StructuredOutputError
 
 _FIELD = re.compile(r"[A-Za-z_]+")
 _KNOWN_PARAMS = (set(p.CompletionRequest.model_fields) | set(p.ChatCompletionRequest.model_fields)
@@ -106,3 +110,13 @@ def add_error_handlers(app: FastAPI) -> None:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, str(exc.detail), type_, code=getattr(exc, "openai_code", None),
                               headers=getattr(exc, "headers", None))
+
+
+@contextlib.contextmanager
+def structured_output_errors(field: str | None) -> Iterator[None]:
+    """A constraint that does not compile (raised when the request is submitted) as a 400 naming
+    the request field it came from."""
+    try:
+        yield
+    except StructuredOutputError as exc:
+        raise p.InvalidRequestError(name_field(str(exc), field), param=field) from None

@@ -77,6 +77,8 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     # vLLM's: salts the prefix cache's hashes, so only requests with the same salt share cached K/V
     # (a tenant's prompts cannot be probed by another's timing).
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    use_beam_search: bool = False  # vLLM's: `n` beams by beam search (openai/beam_search.py)
+    length_penalty: float = 1.0  # beam search: the score is cum logprob / length ** length_penalty
 
     @property
     def include_usage(self) -> bool:

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
 
 `build_app` wires one engine to one app: /v1/models (the base model and its LoRA adapters,
-adapters.py), /v1/completions, /v1/chat/completions
-(JSON or SSE streaming in OpenAI's chunk format), /v1/embeddings (embeddings.py), /tokenize and /detokenize (vLLM's),
-/health, /metrics and /version. Every error
-leaves in OpenAI's shape {"error": {message, type, param, code}} with the status an OpenAI
-client expects, so SDK exception classes map one to one. A request whose client went away
+adapters.py), /v1/completions, /v1/chat/completions (JSON or SSE streaming in OpenAI's chunk
+format; beam_search.py for use_beam_search), /v1/embeddings (embeddings.py), /tokenize and
+/detokenize (vLLM's), /health, /metrics and /version. Every error leaves in OpenAI's shape
+{"error": {message, type, param, code}} with the status an OpenAI client expects, so SDK
+exception classes map one to one. A request whose client went away
 is aborted in the engine (its KV blocks freed before the next step): streams notice on the
 failed write or on a disconnect poll, non-streaming requests on the poll alone.
 """
@@ -13,38 +13,37 @@ failed write or on a disconnect poll, non-streaming requests on the poll alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvflow.engine.inputs import check_chat_options, render_chat
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from kvflow.entrypoints.openai import beam_search
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.adapters import ServedModels, register_adapter_routes, runtime_updating_allowed
 from kvflow.entrypoints.openai.auth import APIKeyMiddleware
 from kvflow.entrypoints.openai.dashboard import register_dashboard
 from kvflow.entrypoints.openai.embeddings import register_embeddings
-from kvflow.entrypoints.openai.errors import ClientDisconnected, add_error_handlers, check_text, error_response
+from kvflow.entrypoints.openai.errors import (ClientDisconnected, add_error_handlers, check_text, error_response,
+                                              structured_output_errors)
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvflow.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined, prompt_logprobs
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response  # noqa: F401 (TextStreamer: re-exported)
-from kvflow.entrypoints.openai.structured import name_field
 from kvflow.entrypoints.openai.tokenization import register_tokenization
 from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
-from kvflow.structured_output.backend import StructuredOutputError
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
 logger = logging.getLogger("kvflow")
@@ -160,6 +159,8 @@ class OpenAIServer:
     async def completion(self, body: p.CompletionRequest, raw: Request) -> Response:
         """One engine request per prompt (a list of prompts is a batch), n samples each (choices.py)."""
         lora, model = self.check_model(body.model), self.models.response_name(body.model)
+        if body.use_beam_search:
+            return await beam_search.completion(self, body, raw, lora, model)
         prompts = [self.tokenize_prompt(prompt) for prompt in c.prompt_list(body.prompt)]
         params = [self.sampling_params(body, len(ids)) for _, ids in prompts]
         c.check_best_of(body.best_of, params[0].n)
@@ -241,6 +242,8 @@ class OpenAIServer:
     # ---- /v1/chat/completions -------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         lora, model = self.check_model(body.model), self.models.response_name(body.model)
+        if body.use_beam_search:
+            return await beam_search.chat(self, body, raw, lora, model)
         body.use_tool_parser(self.tool_parser)
         text, ids = self.chat_prompt(body)
         params = self.sampling_params(body, len(ids))
@@ -303,16 +306,6 @@ class OpenAIServer:
         except (EngineStepError, EngineDeadError) as exc:
             yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
         yield "data: [DONE]\n\n"
-
-
-@contextlib.contextmanager
-def structured_output_errors(field: str | None) -> Iterator[None]:
-    """A constraint that does not compile (raised when the request is submitted) as a 400 naming
-    the request field it came from."""
-    try:
-        yield
-    except StructuredOutputError as exc:
-        raise p.InvalidRequestError(name_field(str(exc), field), param=field) from None
 
 
 def _json(model: p.OpenAIModel) -> Response:

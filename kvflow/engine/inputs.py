@@ -11,6 +11,8 @@ import logging
 import os
 from typing import Any
 
+from kvflow.sampling.params import check_truncate_prompt_tokens
+
 logger = logging.getLogger("kvflow")
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -70,6 +72,17 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, gene
     if len(token_ids) > max_model_len - generates:
         room = " (prompt plus at least one generated token must fit)" if generates else ""
         raise ValueError(f"prompt: the prompt is {len(token_ids)} tokens, but max_model_len is {max_model_len}{room}")
+
+
+def truncate_prompt(text: str | None, token_ids: list[int], keep: int | None,
+                    max_model_len: int) -> tuple[str | None, list[int]]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the last max_model_len).
+    A cut prompt has no text of its own (its ids are what the model sees)."""
+    if keep is None:
+        return text, token_ids
+    check_truncate_prompt_tokens(keep)
+    keep = max_model_len if keep == -1 else keep
+    return (text, token_ids) if len(token_ids) <= keep else (None, token_ids[-keep:])
 
 
 def check_chat_options(add_generation_prompt: bool, continue_final_message: bool) -> None:

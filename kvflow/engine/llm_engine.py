@@ -23,7 +23,8 @@ import time
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads
-from kvflow.engine.inputs import PromptInput, cache_salt_of, check_prompt, load_tokenizer_or_none, tokenize_prompt
+from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt, load_tokenizer_or_none, tokenize_prompt,
+                                  truncate_prompt)
 from kvflow.engine.kv_cache_manager import KVCacheManager, chain_root
 from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_placement import (build_lora_manager, build_runner, build_speculator, place_model,
@@ -132,9 +133,10 @@ class LLMEngine:
             if self.distributed:
                 raise ValueError(f"embeddings: not supported with the distributed executor ({self.parallel.describe()}) yet")
             pooling = PoolingState(params, self.config.pooler_config)
-            params = SamplingParams(max_tokens=1, detokenize=False)  # never sampled: the prompt is all it runs
+            params = SamplingParams(max_tokens=1, detokenize=False,  # never sampled: the prompt is all it runs
+                                    truncate_prompt_tokens=params.truncate_prompt_tokens)
         params = params or SamplingParams()
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = truncate_prompt(*self.tokenize(prompt), params.truncate_prompt_tokens, self.max_model_len)
         hash_root = chain_root(lora_request.cache_key if lora_request is not None else None, cache_salt_of(prompt))
         vocab = self.model_config.vocab_size
         check_prompt(token_ids, vocab, self.max_model_len, generates=pooling is None)

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvflow.sampling.params import check_truncate_prompt_tokens
+
 # LAST: the final prompt position's hidden state (what decoder-only embedding models such as
 # e5-mistral or gte-Qwen are trained for, and vLLM's default for a causal LM run as an embedder);
 # MEAN: the average over every prompt position.
@@ -56,15 +58,18 @@ class PoolerConfig:
 @dataclass
 class PoolingParams:
     """Per request: `dimensions` keeps the leading dimensions of a Matryoshka embedding (then
-    normalises, when normalising); `normalize` overrides the pooler config's choice (None: keep it)."""
+    normalises, when normalising); `normalize` overrides the pooler config's choice (None: keep it);
+    `truncate_prompt_tokens` embeds only the prompt's last tokens."""
 
     dimensions: int | None = None
     normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
 
     def check(self, hidden_size: int, is_matryoshka: bool, matryoshka_dimensions: list[int] | None) -> None:
         """ValueError naming the field when the model cannot give what is asked."""
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true, false or null, got {self.normalize!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         d = self.dimensions
         if d is None:
             return

@@ -42,6 +42,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
 
 
+def check_truncate_prompt_tokens(value: object) -> None:
+    if value is not None and (not _is_int(value) or not (value >= 1 or value == -1)):
+        raise ValueError(f"truncate_prompt_tokens must be a positive int or -1 (max_model_len), got {value!r}")
+
+
 @dataclass(repr=False)
 class SamplingParams:
     """How to pick the next tokens of one request and when to stop.
@@ -92,6 +97,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); the engine cuts
+    # the prompt at admission (engine/inputs.py truncate_prompt), the server before it checks the length.
+    truncate_prompt_tokens: int | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SamplingParams":
         # __new__ sees the constructor's own arguments, which the generated __init__ does not keep.
@@ -217,6 +225,7 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")

@@ -164,3 +164,23 @@ def test_chat_template_options_as_vllm_takes_them(smollm2_fp32):
         "suffix": "[assistant]", "tools": [{"type": "function", "function": {"name": "paint"}}]})
     assert via_kwargs == rendered
     _pool_is_whole(smollm2_fp32)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(smollm2_fp32):
+    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens, exactly."""
+    tokenizer = smollm2_fp32.get_tokenizer()
+    ids = tokenizer("One two three four five six seven eight nine ten eleven twelve").input_ids
+    greedy = dict(temperature=0, max_tokens=6)
+    cut = smollm2_fp32.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=5, **greedy),
+                                use_tqdm=False)[0]
+    direct = smollm2_fp32.generate({"prompt_token_ids": ids[-5:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == direct.outputs[0].token_ids
+    whole = smollm2_fp32.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=500, **greedy),
+                                  use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids
+    too_long = list(range(100, 2148))  # max_model_len is 2048
+    with pytest.raises(ValueError, match="max_model_len is 2048"):
+        smollm2_fp32.generate({"prompt_token_ids": too_long}, SamplingParams(**greedy), use_tqdm=False)
+    out = smollm2_fp32.generate({"prompt_token_ids": too_long}, SamplingParams(truncate_prompt_tokens=100, **greedy),
+                                use_tqdm=False)[0]
+    assert out.prompt_token_ids == too_long[-100:] and len(out.outputs[0].token_ids) == 6

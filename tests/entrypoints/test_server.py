@@ -118,6 +118,27 @@ def test_usage_and_finish_reasons(live_server, client):
     assert ids.choices[0].text == r.choices[0].text
 
 
+def test_truncate_prompt_tokens(live_server, http):
+    """vLLM's truncate_prompt_tokens: the last k tokens run, the usage counts k, and a prompt longer
+    than max_model_len is served once cut (and refused, naming the field, when k makes no sense)."""
+    tok = live_server.engine.tokenizer
+    ids = tok(PROMPT).input_ids
+    body = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    cut = http.post("/v1/completions", json={**body, "prompt": PROMPT, "truncate_prompt_tokens": 3}).json()
+    direct = http.post("/v1/completions", json={**body, "prompt": ids[-3:]}).json()
+    assert cut["choices"][0]["text"] == direct["choices"][0]["text"] and cut["usage"]["prompt_tokens"] == 3
+    long = [7] * 2100  # max_model_len is 2048
+    assert http.post("/v1/completions", json={**body, "prompt": long}).status_code == 400
+    r = http.post("/v1/completions", json={**body, "prompt": long, "truncate_prompt_tokens": 64})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 64
+    chat = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Hi there"}],
+                                                   "truncate_prompt_tokens": 4})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 4
+    bad = http.post("/v1/completions", json={**body, "prompt": PROMPT, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert live_server.wait_pool_free()
+
+
 def test_cache_salt_keeps_tenants_apart(live_server, http):
     check_cache_salt(lambda route, body: http.post(route, json=body), "/v1/completions", {"model": MODEL_NAME})
     assert live_server.wait_pool_free()

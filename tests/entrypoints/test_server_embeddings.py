@@ -102,7 +102,7 @@ def test_options(server, smollm2_fp32):
     ({"input": ""}, 400, "input: an input is empty"),
     ({"input": "x", "dimensions": 64}, 400, "dimensions: this model does not support Matryoshka embeddings"),
     ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
-    ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens must be a positive integer or -1"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens must be a positive int or -1"),
     ({"input": [[1, 2, 49152]]}, 400, "token ids must be in [0, 49152)"),
     ({"input": [7] * 2049}, 400, "max_model_len is 2048"),
     ({"input": ["x"] * 2049}, 400, "at most 2048"),

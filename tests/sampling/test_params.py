@@ -76,6 +76,9 @@ def test_normalisation() -> None:
         ({"allowed_token_ids": [1.5]}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),
         ({"bad_words": [3]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
     ],
 )
 def test_validation_error_names_parameter(kwargs: dict, name: str) -> None:

@@ -34,7 +34,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt_token_ids, load_tokenizer_or_none,
-                                  tokenize_prompt)
+                                  tokenize_prompt, truncate_prompt)
 from kvflow.engine.request_state import EngineStats
 from kvflow.entrypoints.request_stream import EngineDeadError, RequestStream, _put_all, _resolve
 from kvflow.entrypoints.core import wire
@@ -146,6 +146,8 @@ class EngineCoreClient:
         """As `AsyncEngine.add_request`; the prompt is tokenized here, then sent to the core."""
         self._check_alive()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
+        if params is not None:  # cut here too: the outputs assembled on this side carry the prompt's ids
+            text, ids = truncate_prompt(text, ids, params.truncate_prompt_tokens, self.max_model_len)
         salt = cache_salt_of(prompt)
         # Token ids are checked here as the core would, before this side's detokenizer reads them.
         check_prompt_token_ids(ids, self.vocab_size)

@@ -72,7 +72,7 @@ def _usage(prompts: list[list[int]], results: list[BeamSearchOutput]) -> p.Usage
 
 async def completion(server: "OpenAIServer", body: p.CompletionRequest, raw: Request, lora: Any,
                      model: str) -> Response:
-    prompts = [server.tokenize_prompt(prompt)[1] for prompt in c.prompt_list(body.prompt)]
+    prompts = [server.tokenize_prompt(prompt, body.truncate_prompt_tokens)[1] for prompt in c.prompt_list(body.prompt)]
     params = [beam_search_params(body, len(ids), server.engine.max_model_len) for ids in prompts]
     width = params[0].beam_width
     c.check_best_of(body.best_of, width)

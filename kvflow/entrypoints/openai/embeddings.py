@@ -20,6 +20,8 @@ from fastapi.responses import Response
 
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
+from kvflow.engine.inputs import truncate_prompt
+from kvflow.entrypoints.openai.errors import check_text
 from kvflow.entrypoints.openai.tool_calls import ToolFields
 from kvflow.outputs import PoolingRequestOutput
 from kvflow.pooling.params import PoolingParams
@@ -72,8 +74,7 @@ def register_embeddings(app: FastAPI, server: "OpenAIServer") -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         lora, model = server.check_model(body.model), server.models.response_name(body.model)
-        prompts = [_truncated(text, ids, body.truncate_prompt_tokens, server.engine.max_model_len)
-                   for text, ids in _prompts(server, body)]
+        prompts = _prompts(server, body)
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
         _, streams = await c.submit_all(server.engine, "embd", prompts, [params] * len(prompts), body, lora)
         outs: list[PoolingRequestOutput] = await c.gather_all(
@@ -93,8 +94,10 @@ def _prompts(server: "OpenAIServer", body: EmbeddingRequest) -> list[tuple[str |
     if body.messages is not None:
         if not body.messages:
             raise p.InvalidRequestError("messages: the conversation is empty", param="messages")
-        text, ids = server.chat_prompt(body)
-        return [(text, tok(text, add_special_tokens=True).input_ids if body.add_special_tokens else ids)]
+        text, ids = server.chat_prompt(body)  # cut to truncate_prompt_tokens
+        if body.add_special_tokens and text is not None:
+            ids = tok(text, add_special_tokens=True).input_ids
+        return [(text, ids)]
     one = isinstance(body.input, str) or (body.input and isinstance(body.input[0], int))
     inputs: list[str | list[int]] = [body.input] if one else list(body.input)
     if not inputs:
@@ -102,28 +105,17 @@ def _prompts(server: "OpenAIServer", body: EmbeddingRequest) -> list[tuple[str |
     if len(inputs) > MAX_INPUTS:
         raise p.InvalidRequestError(f"input: {len(inputs)} inputs in one request; at most {MAX_INPUTS}",
                                     param="input")
-    prompts = []
+    prompts, keep, limit = [], body.truncate_prompt_tokens, server.engine.max_model_len
     for item in inputs:
         if isinstance(item, str) and body.add_special_tokens is False and tok is not None:
-            prompts.append((item, tok(item, add_special_tokens=False).input_ids))
+            check_text(item, "input")
+            prompts.append(truncate_prompt(item, tok(item, add_special_tokens=False).input_ids, keep, limit))
         else:
-            prompts.append(server.tokenize_prompt(item))
+            prompts.append(server.tokenize_prompt(item, keep))
     for _, ids in prompts:
         if not ids:
             raise p.InvalidRequestError("input: an input is empty; give at least one token", param="input")
     return prompts
-
-
-def _truncated(text: str | None, ids: list[int], keep: int | None, max_model_len: int) -> tuple[str | None, list[int]]:
-    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: the last max_model_len)."""
-    if keep is None:
-        return text, ids
-    if keep == -1:
-        keep = max_model_len
-    if keep < 1:
-        raise p.InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {keep}",
-                                    param="truncate_prompt_tokens")
-    return (text, ids) if len(ids) <= keep else (None, ids[-keep:])
 
 
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -77,6 +77,7 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     # vLLM's: salts the prefix cache's hashes, so only requests with the same salt share cached K/V
     # (a tenant's prompts cannot be probed by another's timing).
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     use_beam_search: bool = False  # vLLM's: `n` beams by beam search (openai/beam_search.py)
     length_penalty: float = 1.0  # beam search: the score is cum logprob / length ** length_penalty
 
@@ -157,6 +158,7 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
             logit_bias=self.logit_bias or None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **{k: v for k, v in chosen.items() if v is not None},
         )
 

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from kvflow.engine.inputs import check_chat_options, render_chat
+from kvflow.engine.inputs import check_chat_options, render_chat, truncate_prompt
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import beam_search
 from kvflow.entrypoints.openai import choices as c
@@ -62,16 +62,18 @@ class OpenAIServer:
         """The LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
         return self.models.resolve(model)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's ids, as LLMEngine.tokenize makes them (so results match LLM.generate), cut to
+        its last `keep` tokens (truncate_prompt_tokens) before anything checks its length."""
         if isinstance(prompt, list):
-            return None, [int(t) for t in prompt]
+            return truncate_prompt(None, [int(t) for t in prompt], keep, self.engine.max_model_len)
         tok = self.engine.tokenizer
         if tok is None:
             raise p.InvalidRequestError("prompt: this model has no tokenizer; send token ids", param="prompt")
         check_text(prompt, "prompt")
-        return prompt, tok(prompt).input_ids  # as LLMEngine.tokenize does, so results match LLM.generate
+        return truncate_prompt(prompt, tok(prompt).input_ids, keep, self.engine.max_model_len)
 
-    def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[str, list[int]]:
+    def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[str | None, list[int]]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
@@ -86,7 +88,8 @@ class OpenAIServer:
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc
         check_text(text, "messages")
-        return text, tok(text, add_special_tokens=False).input_ids
+        return truncate_prompt(text, tok(text, add_special_tokens=False).input_ids,
+                               getattr(body, "truncate_prompt_tokens", None), self.engine.max_model_len)
 
     def sampling_params(self, body: p.SamplingRequest, prompt_len: int) -> SamplingParams:
         """The request's sampling fields; those it leaves unset take the model's defaults."""
@@ -161,7 +164,7 @@ class OpenAIServer:
         lora, model = self.check_model(body.model), self.models.response_name(body.model)
         if body.use_beam_search:
             return await beam_search.completion(self, body, raw, lora, model)
-        prompts = [self.tokenize_prompt(prompt) for prompt in c.prompt_list(body.prompt)]
+        prompts = [self.tokenize_prompt(prompt, body.truncate_prompt_tokens) for prompt in c.prompt_list(body.prompt)]
         params = [self.sampling_params(body, len(ids)) for _, ids in prompts]
         c.check_best_of(body.best_of, params[0].n)
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs: the engine scores it

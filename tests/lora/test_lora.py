@@ -259,3 +259,26 @@ def test_an_unreadable_weights_file_is_a_value_error(lora_models, tmp_path):
     with pytest.raises(ValueError, match="could not be read"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 1, str(bad)))
     assert not llm.engine.list_loras()
+
+
+def test_embeddings_run_with_their_adapter(lora_models):
+    """An embedding request with an adapter pools PEFT's own hidden states, batched with the base
+    model and another adapter (the same rows the generating path runs)."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvflow import PoolingParams
+
+    llm = engine(lora_models, max_loras=2)
+    batch = prompts(21, 3)
+    names = ["all", None, "mlp"]
+    ids = {"all": 1, "mlp": 3}
+    outs = llm.encode([{"prompt_token_ids": p} for p in batch], PoolingParams(), use_tqdm=False,
+                      lora_request=[None if n is None else lora(lora_models, n, ids[n]) for n in names])
+    for name, prompt, out in zip(names, batch, outs):
+        model = lora_models["hf"] if name is None else lora_models["peft"][name]
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+        torch.testing.assert_close(out.outputs.data, F.normalize(hidden.float(), dim=-1), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(outs[0].outputs.data, llm.encode({"prompt_token_ids": batch[0]}, use_tqdm=False)[0]
+                              .outputs.data, atol=1e-3)  # the adapter changed the vector

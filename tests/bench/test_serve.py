@@ -19,7 +19,7 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.cli import main
 from kvflow.entrypoints.openai.server import build_app
-from tests.entrypoints.conftest import httpx, start_uvicorn
+from tests.entrypoints.conftest import httpx, serving
 
 MODEL = "tiny"
 API_KEY = "bench-key"
@@ -33,12 +33,10 @@ def server(tiny_models):
     path, _ = tiny_models("llama")
     engine = AsyncEngine.from_config(EngineConfig(model=path, dtype="float32", kv_cache_memory=8 << 20,
                                                   max_model_len=256, num_threads=1))
-    uv, thread, port = start_uvicorn(build_app(engine, MODEL, API_KEY))
     try:
-        yield f"http://127.0.0.1:{port}"
+        with serving(build_app(engine, MODEL, API_KEY)) as port:
+            yield f"http://127.0.0.1:{port}"
     finally:
-        uv.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

@@ -27,7 +27,7 @@ from kvflow.entrypoints.routing import (CacheAwarePolicy, Instance, RoundRobinPo
                                        prompt_namespace)
 
 from ..conftest import save_tiny_llama
-from .conftest import httpx, start_uvicorn
+from .conftest import httpx, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
@@ -79,14 +79,11 @@ def cluster(tmp_path_factory):
         wait_healthy(procs, logs)
         router = Router([url for _, url in procs], "cache_aware")
         pd_router = Router([procs[1][1]], "cache_aware", prefill_urls=[procs[0][1]], prefill_timeout=20)
-        servers = [start_uvicorn(build_router_app(r)) for r in (router, pd_router)]
-        with httpx.Client(base_url=f"http://127.0.0.1:{servers[0][2]}", timeout=60) as http:
-            http.pd_url = f"http://127.0.0.1:{servers[1][2]}"  # type: ignore[attr-defined]
+        with serving(build_router_app(router)) as port, serving(build_router_app(pd_router)) as pd_port, \
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            http.pd_url = f"http://127.0.0.1:{pd_port}"  # type: ignore[attr-defined]
             http.model = model  # type: ignore[attr-defined]
             yield procs, router, http
-        for server, thread, _ in servers:
-            server.should_exit = True
-            thread.join(10)
     finally:
         for proc, _ in procs:
             if proc.poll() is None:

@@ -7,6 +7,7 @@ from a spy on its add_request, and max_tokens is also visible in the output's le
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -17,7 +18,7 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.openai.server import build_app
 
-from .conftest import httpx, start_uvicorn
+from .conftest import httpx, serving
 
 MODEL_DEFAULTS = {"temperature": 0.5, "top_k": 7, "max_new_tokens": 3}
 PROMPT = [11, 12, 13, 14, 15]
@@ -88,19 +89,15 @@ def test_bundled_model_defaults_in_llm(smollm2_fp32):
 @pytest.fixture(scope="module")
 def tiny_servers(tiny_with_defaults):
     """Two servers on the same model: generation_config auto and vllm."""
-    started = []
-    try:
+    with contextlib.ExitStack() as stack:  # unwinds each server, then its engine
+        servers = {}
         for mode in ("auto", "vllm"):
             engine = AsyncEngine.from_config(EngineConfig(model=tiny_with_defaults, generation_config=mode,
                                                           **TINY_ENGINE))
-            uv, thread, port = start_uvicorn(build_app(engine, "tiny"))
-            started.append((uv, thread, engine, f"http://127.0.0.1:{port}"))
-        yield {mode: (engine, url) for mode, (_, _, engine, url) in zip(("auto", "vllm"), started)}
-    finally:
-        for uv, thread, engine, _ in started:
-            uv.should_exit = True
-            thread.join(10)
-            engine.shutdown()
+            stack.callback(engine.shutdown)
+            port = stack.enter_context(serving(build_app(engine, "tiny")))
+            servers[mode] = (engine, f"http://127.0.0.1:{port}")
+        yield servers
 
 
 def test_server_completion_precedence(tiny_servers, monkeypatch):

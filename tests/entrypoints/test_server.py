@@ -19,7 +19,7 @@ import pytest
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.server import TextStreamer, build_app
 
-from .conftest import MODEL_NAME, check_cache_salt, httpx, start_uvicorn
+from .conftest import MODEL_NAME, check_cache_salt, httpx, serving
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -421,18 +421,13 @@ def test_metrics(live_server, http):
     assert all("kvflow:" + n in main for n in names), sorted(main)
     # A fresh app on the same engine counts only its own requests.
     app = build_app(live_server.engine, MODEL_NAME, None)
-    server, thread, port = start_uvicorn(app)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-            body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            for stream in (False, False, True):
-                r = c.post("/v1/completions", json={**body, "stream": stream})
-                assert r.status_code == 200
-            assert live_server.wait_pool_free()
-            m = _samples(c.get("/metrics").text)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        for stream in (False, False, True):
+            r = c.post("/v1/completions", json={**body, "stream": stream})
+            assert r.status_code == 200
+        assert live_server.wait_pool_free()
+        m = _samples(c.get("/metrics").text)
     k = "kvflow:"
     assert m[k + "time_to_first_token_seconds_count"] == 3
     assert m[k + "e2e_request_latency_seconds_count"] == 3

@@ -15,7 +15,7 @@ from kvflow.sampling.params import MAX_LOGPROBS
 
 from kvflow.entrypoints.openai.server import build_app
 
-from .conftest import MODEL_NAME, httpx, start_uvicorn
+from .conftest import MODEL_NAME, httpx, serving
 
 VOCAB = 49152
 MAX_MODEL_LEN = 2048
@@ -195,23 +195,18 @@ def test_body_over_the_limit_is_refused_before_it_is_read(live_server):
     """413 in OpenAI's shape, for a declared Content-Length and for a chunked body alike."""
     limit = 4096
     app = build_app(live_server.engine, MODEL_NAME, None, max_request_bytes=limit)
-    server, thread, port = start_uvicorn(app)
     big = json.dumps({"model": MODEL_NAME, "prompt": "x" * (2 * limit), "max_tokens": 2}).encode()
 
     def chunked():
         for i in range(0, len(big), 1000):
             yield big[i:i + 1000]
 
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-            for content in (big, chunked()):
-                r = c.post(CMPL, content=content, headers={"Content-Type": "application/json"})
-                assert refused(r, None, 413, str(limit))["code"] == "request_too_large"
-            small = {"model": MODEL_NAME, "prompt": "x" * 100, "max_tokens": 2}
-            assert c.post(CMPL, json=small).status_code == 200  # under the limit: served
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+        for content in (big, chunked()):
+            r = c.post(CMPL, content=content, headers={"Content-Type": "application/json"})
+            assert refused(r, None, 413, str(limit))["code"] == "request_too_large"
+        small = {"model": MODEL_NAME, "prompt": "x" * 100, "max_tokens": 2}
+        assert c.post(CMPL, json=small).status_code == 200  # under the limit: served
 
 
 def test_good_request_still_served_after_abuse(live_server, http, offline_llm):

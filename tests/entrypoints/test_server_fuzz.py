@@ -35,7 +35,7 @@ from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.openai.server import build_app
 
 from tests.conftest import save_tiny_llama
-from .conftest import MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
+from .conftest import MODEL_NAME, httpx, serving, wait_engine_idle
 
 CASE_DEADLINE_S = 30.0
 EXAMPLES = 30  # per operation and generation mode
@@ -50,12 +50,10 @@ def fuzz_server(tmp_path_factory, smollm2_gguf):
                           kv_cache_memory=16 << 20, seed=0)
     engine = AsyncEngine.from_config(config, max_waiting=256)
     app = build_app(engine, MODEL_NAME)
-    server, thread, port = start_uvicorn(app)
     try:
-        yield app, f"http://127.0.0.1:{port}", engine
+        with serving(app) as port:
+            yield app, f"http://127.0.0.1:{port}", engine
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

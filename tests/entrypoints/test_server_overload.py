@@ -22,7 +22,7 @@ from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.openai.server import build_app
 
-from .conftest import MODEL_NAME, httpx, start_uvicorn, wait_engine_idle
+from .conftest import MODEL_NAME, httpx, serving, wait_engine_idle
 from .test_server import _samples
 
 MAX_NUM_SEQS, MAX_WAITING, MAX_TOKENS = 4, 4, 8
@@ -53,12 +53,10 @@ def flood_server():
     config = EngineConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, max_num_seqs=MAX_NUM_SEQS,
                           seed=0)
     engine = AsyncEngine.from_config(config, max_waiting=MAX_WAITING)
-    server, thread, port = start_uvicorn(build_app(engine, MODEL_NAME))
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        with serving(build_app(engine, MODEL_NAME)) as port:
+            yield f"http://127.0.0.1:{port}", engine
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

@@ -11,7 +11,7 @@ from kvflow import SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.entrypoints.async_engine import AsyncEngine
 from kvflow.entrypoints.openai.server import build_app
-from tests.entrypoints.conftest import ENGINE_KWARGS, LiveServer, httpx, start_uvicorn
+from tests.entrypoints.conftest import ENGINE_KWARGS, LiveServer, httpx, serving
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 # The answer quotes the prompt, so drafts are proposed and accepted.
@@ -21,12 +21,10 @@ PROMPT = "Repeat this line exactly: the quick brown fox jumps over the lazy dog,
 @pytest.fixture(scope="module")
 def spec_server():
     engine = AsyncEngine.from_config(EngineConfig(**ENGINE_KWARGS, speculative_config=SPEC), max_waiting=64)
-    server, thread, port = start_uvicorn(build_app(engine, "smollm2", None))
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", "", "smollm2", engine)
+        with serving(build_app(engine, "smollm2", None)) as port:
+            yield LiveServer(f"http://127.0.0.1:{port}", "", "smollm2", engine)
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 

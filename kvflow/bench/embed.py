@@ -7,8 +7,9 @@ All are submitted at once; wall time runs from submission to the last vector.
 
 The baseline (`--baseline hf`) is what a transformers user writes: the base model
 (`AutoModel`, no LM head), prompts sorted by length as sentence-transformers sorts them,
-static batches right-padded with an attention mask, the last real token's hidden state,
-L2-normalised. Both engines' vectors are compared (cosine), so a fast wrong answer shows.
+static batches right-padded with an attention mask, pooled as the engine's `--pooler-config`
+says (by default the last real token's hidden state, L2-normalised). Both engines' vectors are
+compared (cosine), so a fast wrong answer shows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range
 from kvflow.bench.machine import machine_info
 from kvflow.bench.results import numerics_label, peak_rss_mb
+from kvflow.pooling.params import PoolerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +91,9 @@ def run_kvflow(engine, prompts: list[list[int]]) -> tuple[list[torch.Tensor], fl
     return [vectors[f"e{i}"] for i in range(len(prompts))], wall
 
 
-def run_hf(model: torch.nn.Module, prompts: list[list[int]], batch_size: int) -> tuple[list[torch.Tensor], float]:
+def run_hf(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
+           pooler: PoolerConfig) -> tuple[list[torch.Tensor], float]:
+    """transformers, pooled as `pooler` says (the engine's --pooler-config), so the vectors compare."""
     import torch
 
     base = model.model  # the decoder stack without the LM head: what AutoModel loads
@@ -107,7 +111,9 @@ def run_hf(model: torch.nn.Module, prompts: list[list[int]], batch_size: int) ->
                 mask[r, :len(prompts[i])] = 1
             hidden = base(input_ids=ids, attention_mask=mask).last_hidden_state
             for r, i in enumerate(rows):
-                vectors[i] = torch.nn.functional.normalize(hidden[r, len(prompts[i]) - 1].float(), dim=-1)
+                n = len(prompts[i])
+                vector = hidden[r, n - 1].float() if pooler.pooling_type == "LAST" else hidden[r, :n].double().mean(0)
+                vectors[i] = torch.nn.functional.normalize(vector.float(), dim=-1) if pooler.normalize else vector.float()
     return vectors, time.perf_counter() - start  # type: ignore[return-value]
 
 
@@ -138,13 +144,13 @@ def run(config, args: argparse.Namespace) -> dict:
 
         model = load_hf_model(path, engine.dtype, config.load_format)
         del engine
-        run_hf(model, warm[:32], args.baseline_batch_size)
-        theirs, hf_wall = run_hf(model, timed, args.baseline_batch_size)
+        run_hf(model, warm[:32], args.baseline_batch_size, config.pooler_config)
+        theirs, hf_wall = run_hf(model, timed, args.baseline_batch_size, config.pooler_config)
         results["hf"] = EmbedResult(f"transformers ({engine_dtype_name(model)}, batches of "
                                     f"{args.baseline_batch_size}, sorted by length)", len(timed), tokens, hf_wall,
                                     peak_rss_mb())
         print(results["hf"].summary())
-        cos = torch.stack([torch.dot(a, b) for a, b in zip(ours, theirs)])
+        cos = torch.stack([torch.nn.functional.cosine_similarity(a, b, dim=0) for a, b in zip(ours, theirs)])
         report["agreement"] = {"min_cosine": float(cos.min()), "mean_cosine": float(cos.mean())}
         report["kvflow_over_hf"] = results["hf"].wall_s / results["kvflow"].wall_s
         print(f"kvflow / transformers: {report['kvflow_over_hf']:.2f}x the prompts per second; "

@@ -290,12 +290,17 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.forget(req.seq.request_id)
         outputs = self.sample_groups.outputs(advanced, make_output) + [self._finish_pooled(p, now) for p in pooled
-                                                                          if p.seq.request_id in self._requests]
+                                                                          if self._owns(p.seq)]
         for req, _ in stopped:
             del self._requests[req.seq.request_id]
             if req.group is not None and req.group.finished:
                 self.sample_groups.pop(req.group.request_id)
         return outputs
+
+    def _owns(self, seq: Sequence) -> bool:
+        """`seq` is still the live sequence of its id (not aborted, its id not reused since)."""
+        req = self._requests.get(seq.request_id)
+        return req is not None and req.seq is seq
 
     def _finish_pooled(self, pooled: PooledOutput, now: float) -> PoolingRequestOutput:
         """An embedding request's prompt is computed: retire it (its blocks stay in the prefix cache)."""

@@ -122,7 +122,7 @@ class ModelRunner:
 
         seq_lens = starts + lens
         num_decodes = int(np.argmax(lens > 1)) if (lens > 1).any() else len(items)
-        sampled = [i for i, it in enumerate(items) if it.is_sampled and it.seq.pooling is None]
+        sampled = [i for i, it in enumerate(items) if it.needs_logits]
         ends = query_start[1:][sampled]
         num_rows = np.fromiter((1 + len(items[i].spec_token_ids) for i in sampled), dtype=np.int64, count=len(sampled))
         if len(sampled) == 0 or num_rows.max() == 1:

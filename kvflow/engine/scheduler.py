@@ -54,6 +54,12 @@ class ScheduledSequence:
         """A chunk that reaches the end of the sequence yields a token; partial chunks do not."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
 
+    @property
+    def needs_logits(self) -> bool:
+        """Its last row (and drafts) go through the LM head: a sampled chunk, unless the sequence is
+        an embedding request, whose completed prompt goes to the pooler instead."""
+        return self.is_sampled and self.seq.pooling is None
+
 
 @dataclass
 class SchedulerOutput:

@@ -32,7 +32,7 @@ def step_shape(sched: SchedulerOutput) -> StepShape:
     for item in sched.scheduled:
         context, new = item.seq.num_computed_tokens, item.num_new_tokens
         tokens += new
-        if item.is_sampled:
+        if item.needs_logits:
             logits += 1 + len(item.spec_token_ids)
         pairs += new * context + new * (new + 1) // 2  # causal: query i sees context + i + 1 keys
         kv += context + new

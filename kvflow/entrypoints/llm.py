@@ -11,7 +11,7 @@ from kvflow.engine.llm_engine import LLMEngine, PromptInput
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from kvflow.pooling.params import PoolingParams
-from kvflow.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kvflow.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, pending_beams
 from kvflow.sampling.params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -110,16 +110,16 @@ class LLM:
             searches.append(BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len, lora))
             salt = cache_salt_of(prompt)
             salts[id(searches[-1])] = {"cache_salt": salt} if salt is not None else {}
-        while live := [s for s in searches if not s.done]:
-            beams = [(s, beam) for s in live for beam in s.beams]
-            outs = self._submit_and_run([{"prompt_token_ids": beam.tokens, **salts[id(s)]} for s, beam in beams],
-                                        [s.step_params() for s, _ in beams], use_tqdm=False, priority=None,
-                                        lora_request=[beam.lora_request for _, beam in beams])
-            at = 0
-            for s in live:
-                n = len(s.beams)
-                s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + n]])
-                at += n
+        bar = _progress(params.max_tokens, "Beam search steps") if use_tqdm else None
+        while pending := pending_beams(searches):
+            outs = self._submit_and_run([{"prompt_token_ids": beam.tokens, **salts[id(s)]} for s, beam in pending],
+                                        [s.step_params() for s, _ in pending], use_tqdm=False, priority=None,
+                                        lora_request=[beam.lora_request for _, beam in pending])
+            advance_all(pending, [out.outputs[0].logprobs[0] for out in outs])
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         return [s.result(engine.tokenizer) for s in searches]
 
     def _submit_and_run(self, prompts: list[PromptInput], params_list: list[SamplingParams | PoolingParams],
@@ -187,11 +187,7 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
         pending = set(ids)
         final: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        bar = None
-        if use_tqdm and len(ids) > 1:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        bar = _progress(len(ids), "Processed prompts") if use_tqdm and len(ids) > 1 else None
         try:
             while pending:
                 if not self.engine.has_unfinished_requests():
@@ -227,3 +223,9 @@ def _one_per_prompt(params: Any, kind: type, num_prompts: int, name: str) -> lis
     if len(params) != num_prompts:
         raise ValueError(f"{name}: got {len(params)} for {num_prompts} prompts; pass one or one per prompt")
     return params
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, dynamic_ncols=True)

@@ -59,12 +59,13 @@ class PoolingState:
             vector = (self.total / num_prompt_tokens).to(torch.float32)
         else:
             vector = last_row.to(torch.float32)
-        vector = vector.cpu()
         if self.params.dimensions is not None:
             vector = vector[: self.params.dimensions]
         if self.normalize:
             vector = F.normalize(vector, p=2.0, dim=-1)
-        return vector
+        # A copy of its own: a view would keep the step's whole hidden-state tensor alive for as
+        # long as the caller keeps the output (fp32 LAST rows, unnormalised, are views).
+        return vector.to("cpu", copy=True)
 
 
 @dataclass

@@ -12,8 +12,9 @@ The score is vLLM's: the cumulative logprob divided by the sequence length (prom
 a final EOS not counted) to the power `length_penalty`. The logprobs are the raw model's
 (log-softmax of the float32 logits), as every kvflow logprob is.
 
-`BeamSearch` is one prompt's state; `LLM.beam_search` and the server's `use_beam_search`
-drive it through their engines, so the search itself is written once.
+`BeamSearch` is one prompt's state; `LLM.beam_search` and the server's `use_beam_search` only
+run each step's requests (`pending_beams`) and hand back their logprobs (`advance_all`), so the
+search itself is written once.
 """
 
 from __future__ import annotations
@@ -128,3 +129,20 @@ class BeamSearch:
                 generated = generated[:-1]
             seq.text = tokenizer.decode(generated, skip_special_tokens=False) if tokenizer is not None else None
         return BeamSearchOutput(best)
+
+
+def pending_beams(searches: list[BeamSearch]) -> list[tuple[BeamSearch, BeamSearchSequence]]:
+    """Every live beam of every unfinished search, in order: this step's one-token requests."""
+    return [(search, beam) for search in searches if not search.done for beam in search.beams]
+
+
+def advance_all(pending: list[tuple[BeamSearch, BeamSearchSequence]], step_logprobs: list[dict[int, float]]) -> None:
+    """Hand each search its beams' results (`step_logprobs` in `pending`'s order). The drivers
+    (`LLM.beam_search`, the server's) only run the requests in between."""
+    if len(step_logprobs) != len(pending):
+        raise ValueError(f"beam search: {len(step_logprobs)} results for {len(pending)} beams")
+    grouped: dict[int, tuple[BeamSearch, list[dict[int, float]]]] = {}
+    for (search, _), logprobs in zip(pending, step_logprobs):
+        grouped.setdefault(id(search), (search, []))[1].append(logprobs)
+    for search, results in grouped.values():
+        search.advance(results)

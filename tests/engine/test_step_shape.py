@@ -51,3 +51,18 @@ def test_nothing_is_recorded_unless_asked(tiny_models):
     llm = LLM(tiny_models("llama")[0], dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert llm.engine.step_shapes is None
+
+
+def test_embedding_rows_skip_the_lm_head(tiny_models):
+    """An embedding request's completed prompt goes to the pooler: no LM-head row is counted."""
+    from kvflow import PoolingParams
+
+    path, _ = tiny_models("llama")
+    engine = LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20).engine
+    engine.step_shapes = []
+    engine.add_request("e", {"prompt_token_ids": PROMPTS[0]}, PoolingParams())
+    engine.add_request("g", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sum(s.tokens for s in engine.step_shapes) == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert sum(s.logits_rows for s in engine.step_shapes) == 1  # the generating request's one token

@@ -63,12 +63,26 @@ def test_chat_returns_the_beams(server, smollm2_fp32: LLM):
     ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
     ({"n": 11}, "n"),
     ({"length_penalty": "x"}, "length_penalty"),
+    ({"stop_token_ids": [13]}, "stop_token_ids"),
+    ({"logit_bias": {"13": 5}}, "logit_bias"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"seed": 3, "temperature": 0.7}, "seed"),
 ])
 def test_refusals(server, extra, field):
+    """Refused by name, never ignored; the no-op values of these fields are accepted."""
     http, engine = server
     body = {"prompt": PROMPTS[0], "use_beam_search": True, "n": 2, "max_tokens": 4, **extra}
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert field in error["message"] and (error["param"] == field or field == "length_penalty")
+    assert wait_engine_idle(engine, 10)
+
+
+def test_neutral_values_are_accepted(server):
+    http, engine = server
+    body = {"prompt": PROMPTS[0], "use_beam_search": True, "n": 2, "max_tokens": 3, "top_p": 1, "top_k": -1,
+            "repetition_penalty": 1.0, "stop_token_ids": [], "seed": 5}
+    assert http.post("/v1/completions", json=body).status_code == 200
     assert wait_engine_idle(engine, 10)

@@ -58,6 +58,8 @@ def test_request_overrides_normalize(tiny):
     llm = LLM(path, dtype="float32")
     raw, = embed(llm, [p], PoolingParams(normalize=False))
     torch.testing.assert_close(raw, hf_vector(hf, p, normalize=False), rtol=1e-4, atol=1e-5)
+    # Its own memory, not a view that keeps the step's hidden states of every prompt token alive.
+    assert raw.untyped_storage().nbytes() == raw.numel() * raw.element_size()
     unit, = embed(llm, [p])
     assert abs(float(unit.norm()) - 1.0) < 1e-5
 

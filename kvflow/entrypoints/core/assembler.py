@@ -51,6 +51,7 @@ class _Request:
     completions: list[_Completion]
     prompt_logprobs: list | None = None
     prompt_token_ranks: list | None = None
+    lora_request: Any = None  # the kvflow.lora.LoRARequest it runs with, for its outputs
 
 
 @dataclass
@@ -71,16 +72,16 @@ class OutputAssembler:
         self._requests: dict[str, _Request] = {}
 
     def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-              params: SamplingParams | PoolingParams) -> None:
+              params: SamplingParams | PoolingParams, lora_request: Any = None) -> None:
         if isinstance(params, PoolingParams):
-            self._requests[request_id] = _Request(prompt, prompt_token_ids, params, [])
+            self._requests[request_id] = _Request(prompt, prompt_token_ids, params, [], lora_request=lora_request)
             return
         logprobs = params.logprobs is not None
         completions = [_Completion(CompletionText(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                   params.stop, params.include_stop_str_in_output),
                                    logprobs=[] if logprobs else None, cumulative_logprob=0.0 if logprobs else None)
                        for _ in range(params.n)]
-        self._requests[request_id] = _Request(prompt, prompt_token_ids, params, completions)
+        self._requests[request_id] = _Request(prompt, prompt_token_ids, params, completions, lora_request=lora_request)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -88,7 +89,7 @@ class OutputAssembler:
     def decode_pooled(self, entry: list) -> PoolingRequestOutput | None:
         """An embedding's one entry as its output; None when the request is no longer followed here."""
         req = self._requests.pop(entry[0], None)
-        return None if req is None else wire.decode_pooled(entry, req.prompt, req.prompt_token_ids)
+        return None if req is None else wire.decode_pooled(entry, req.prompt, req.prompt_token_ids, req.lora_request)
 
     def decode(self, entry: list) -> Assembled | None:
         """The output of one core entry; None when the request is no longer followed here (aborted)."""
@@ -124,7 +125,8 @@ class OutputAssembler:
         out = RequestOutput(rid, req.prompt, req.prompt_token_ids, outputs, finished, metrics,
                             num_cached_tokens=num_cached, new_token_ids=new_ids if single else [],
                             new_text=(text[prev_len:] if len(text) >= prev_len else "") if single else "",
-                            prompt_logprobs=req.prompt_logprobs, prompt_token_ranks=req.prompt_token_ranks)
+                            prompt_logprobs=req.prompt_logprobs, prompt_token_ranks=req.prompt_token_ranks,
+                            lora_request=req.lora_request)
         if finished:
             return Assembled(out, abort_request=not core_finished)
         return Assembled(out, abort_samples=stopped_here)

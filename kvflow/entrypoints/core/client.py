@@ -162,7 +162,7 @@ class EngineCoreClient:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._adds[request_id] = future
             self._streams[request_id] = stream
-            self._assembler.start(request_id, text, ids, params)
+            self._assembler.start(request_id, text, ids, params, lora_request)
         try:
             # The core makes token ids only; the text and its stop strings are the assembler's.
             core_params = wire.encode_params(params)
@@ -275,7 +275,7 @@ class EngineCoreClient:
                     if len(entry) == 4:  # [rid, kind, message, extra]: the request failed
                         item: Any = wire.decode_error(*entry[1:])
                         done = True
-                    elif len(entry) == 5:  # an embedding's vector (wire.encode_pooled)
+                    elif wire.is_pooled(entry):  # an embedding's vector
                         item, done = self._assembler.decode_pooled(entry), True
                         if item is None:
                             continue

@@ -168,15 +168,24 @@ def _encode_metrics(m: RequestMetrics) -> list:
 
 
 # ---- an embedding's vector ----------------------------------------------------------------------
+POOLED = "pooled"  # the tag that ends an embedding's entry
+
+
 def encode_pooled(out: PoolingRequestOutput) -> list:
-    """[request_id, num_cached_tokens, metrics, float32 bytes, "pooled"]: five items (a token delta
-    has seven, an error four)."""
+    """[request_id, num_cached_tokens, metrics, float32 bytes, POOLED] (a token delta has seven
+    items, the last a list or None; an error four)."""
     data = out.outputs.data.numpy().astype("<f4").tobytes()
-    return [out.request_id, out.num_cached_tokens, _encode_metrics(out.metrics), data, "pooled"]
+    return [out.request_id, out.num_cached_tokens, _encode_metrics(out.metrics), data, POOLED]
 
 
-def decode_pooled(entry: list, prompt: str | None, prompt_token_ids: list[int]) -> PoolingRequestOutput:
+def is_pooled(entry: list) -> bool:
+    return len(entry) == 5 and entry[4] == POOLED
+
+
+def decode_pooled(entry: list, prompt: str | None, prompt_token_ids: list[int],
+                  lora_request: LoRARequest | None = None) -> PoolingRequestOutput:
     rid, num_cached, metrics, data, _ = entry
     vector = torch.from_numpy(np.frombuffer(data, dtype="<f4").copy())
     return PoolingRequestOutput(rid, PoolingOutput(vector), prompt_token_ids, True, prompt=prompt,
-                                num_cached_tokens=num_cached, metrics=RequestMetrics(*metrics))
+                                num_cached_tokens=num_cached, metrics=RequestMetrics(*metrics),
+                                lora_request=lora_request)

@@ -5,7 +5,8 @@ The search is `kvflow.sampling.beam_search.BeamSearch`, driven here through the 
 all at once, and waits for them; a client that leaves aborts them. The response has `n`
 choices per prompt, best first. `max_tokens`, `ignore_eos`, `include_stop_str_in_output`,
 `length_penalty` and `temperature` (0 unless given: a deterministic search) apply; what beam
-search cannot honour (streaming, logprobs, structured output, tools, stop strings, echo,
+search cannot honour (streaming, logprobs, structured output, tools, stop strings and stop
+tokens, echo, min_tokens, logit edits, penalties, top-p/k and min-p, a seed with temperature > 0,
 disaggregation) is refused by name rather than ignored.
 """
 
@@ -20,10 +21,17 @@ from fastapi.responses import Response
 
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
-from kvflow.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from kvflow.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, pending_beams
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.server import OpenAIServer
+
+
+_NEUTRAL: dict[str, tuple] = {  # sampling fields beam search accepts only at their no-op values
+    "stop_token_ids": (None, []), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
+}
 
 
 def beam_search_params(body: p.SamplingRequest, prompt_len: int, max_model_len: int) -> BeamSearchParams:
@@ -33,11 +41,15 @@ def beam_search_params(body: p.SamplingRequest, prompt_len: int, max_model_len: 
                "echo": bool(getattr(body, "echo", False)), "tools": bool(getattr(body, "tools", None)),
                "kv_transfer_params": body.kv_transfer_params is not None, "min_tokens": body.min_tokens > 0,
                body.structured_output_field or "structured_outputs": body.structured_output_field is not None}
+    temperature = body.temperature if body.temperature is not None else 0.0
+    # Logit edits, penalties and truncations would change the candidates; the search does not apply them.
+    for name, neutral in _NEUTRAL.items():
+        refused[name] = getattr(body, name) not in neutral
+    refused["seed"] = body.seed is not None and temperature > 0  # the steps' sampled tokens are not seeded
     for name, value in refused.items():
         if value:
             raise p.InvalidRequestError(f"{name}: not supported with use_beam_search", param=name)
     params = body.to_sampling_params(prompt_len, max_model_len)  # max_tokens fitted to the context, n checked
-    temperature = body.temperature if body.temperature is not None else 0.0
     try:
         return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=body.ignore_eos,
                                 temperature=temperature, length_penalty=body.length_penalty,
@@ -52,16 +64,11 @@ async def run_beam_search(server: "OpenAIServer", prompts: list[list[int]], para
                           body: p.SamplingRequest, raw: Request, lora: Any) -> list[BeamSearchOutput]:
     engine = server.engine
     searches = [BeamSearch(ids, bp, engine.eos_token_ids, engine.max_model_len, lora) for ids, bp in zip(prompts, params)]
-    while live := [s for s in searches if not s.done]:
-        beams = [(s, beam) for s in live for beam in s.beams]
-        _, streams = await c.submit_all(engine, "beam", [(None, b.tokens) for _, b in beams],
-                                        [s.step_params() for s, _ in beams], body, lora)
+    while pending := pending_beams(searches):
+        _, streams = await c.submit_all(engine, "beam", [(None, beam.tokens) for _, beam in pending],
+                                        [s.step_params() for s, _ in pending], body, lora)
         outs = await c.gather_all([server.final_output(stream, raw) for stream in streams], streams)
-        at = 0
-        for s in live:
-            n = len(s.beams)
-            s.advance([out.outputs[0].logprobs[0] for out in outs[at:at + n]])
-            at += n
+        advance_all(pending, [out.outputs[0].logprobs[0] for out in outs])
     return [s.result(engine.tokenizer) for s in searches]
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import Field
 
 from kvflow.entrypoints.openai import choices as c
 from kvflow.entrypoints.openai import protocol as p
@@ -49,7 +50,7 @@ class EmbeddingRequest(p.OpenAIModel, ToolFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     kv_transfer_params: None = None  # submit_all's field; embeddings are never disaggregated
 
 
@@ -94,10 +95,7 @@ def _prompts(server: "OpenAIServer", body: EmbeddingRequest) -> list[tuple[str |
     if body.messages is not None:
         if not body.messages:
             raise p.InvalidRequestError("messages: the conversation is empty", param="messages")
-        text, ids = server.chat_prompt(body)  # cut to truncate_prompt_tokens
-        if body.add_special_tokens and text is not None:
-            ids = tok(text, add_special_tokens=True).input_ids
-        return [(text, ids)]
+        return [server.chat_prompt(body, add_special_tokens=bool(body.add_special_tokens))]  # then cut
     one = isinstance(body.input, str) or (body.input and isinstance(body.input[0], int))
     inputs: list[str | list[int]] = [body.input] if one else list(body.input)
     if not inputs:

@@ -73,7 +73,8 @@ class OpenAIServer:
         check_text(prompt, "prompt")
         return truncate_prompt(prompt, tok(prompt).input_ids, keep, self.engine.max_model_len)
 
-    def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[str | None, list[int]]:
+    def chat_prompt(self, body: p.ChatCompletionRequest,
+                    add_special_tokens: bool = False) -> tuple[str | None, list[int]]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
@@ -88,7 +89,7 @@ class OpenAIServer:
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc
         check_text(text, "messages")
-        return truncate_prompt(text, tok(text, add_special_tokens=False).input_ids,
+        return truncate_prompt(text, tok(text, add_special_tokens=add_special_tokens).input_ids,
                                getattr(body, "truncate_prompt_tokens", None), self.engine.max_model_len)
 
     def sampling_params(self, body: p.SamplingRequest, prompt_len: int) -> SamplingParams:

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-seed", type=int, default=104)
     g.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers on the same prompts")
     g.add_argument("--baseline-batch-size", type=int, default=16)
+    g.add_argument("--text", action="store_true",
+                   help="decode each draw to text and embed the text (what a text-only peer is given: "
+                        "scripts/peer_baselines/run_openvino_embed.py); tokens are then counted after tokenizing")
+    g.add_argument("--save-vectors", metavar="NPY", help="save kvflow's vectors (float32, draw order) here")
     g.add_argument("--output", help="write the results, ratios and vector agreement as JSON here")
 
 
@@ -72,23 +76,25 @@ def embed_prompts(n: int, min_len: int, max_len: int, seed: int, token_range: tu
     return [rng.integers(*token_range, size=int(k)).tolist() for k in lens]
 
 
-def run_kvflow(engine, prompts: list[list[int]]) -> tuple[list[torch.Tensor], float]:
-    """Every prompt submitted at once, stepped until the last vector; (vectors in order, wall seconds)."""
+def run_kvflow(engine, prompts: list[list[int]] | list[str]) -> tuple[list[torch.Tensor], float, int]:
+    """Every prompt (token ids, or text the engine tokenizes) submitted at once, stepped until the
+    last vector; (vectors in order, wall seconds, prompt tokens)."""
     from kvflow.pooling.params import PoolingParams
 
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"e{i}", {"prompt_token_ids": p}, PoolingParams())
+        engine.add_request(f"e{i}", p if isinstance(p, str) else {"prompt_token_ids": p}, PoolingParams())
     vectors: dict[str, torch.Tensor] = {}
-    cached = 0
+    cached = tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             vectors[out.request_id] = out.outputs.data
             cached += out.num_cached_tokens
+            tokens += len(out.prompt_token_ids)
     wall = time.perf_counter() - start
     if cached:  # a fresh draw shares nothing; a hit would mean a timed prompt was seen before
         raise RuntimeError(f"the prefix cache served {cached} prompt tokens of a fresh draw")
-    return [vectors[f"e{i}"] for i in range(len(prompts))], wall
+    return [vectors[f"e{i}"] for i in range(len(prompts))], wall, tokens
 
 
 def run_hf(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
@@ -131,9 +137,14 @@ def run(config, args: argparse.Namespace) -> dict:
 
     timed, warm = draw(args.dataset_seed), draw(args.warmup_seed)
     engine = LLMEngine(config)
+    if args.text:
+        if args.baseline:
+            raise ValueError("--text: the transformers baseline takes the token ids; leave --baseline out")
+        timed, warm = ([engine.tokenizer.decode(p) for p in d] for d in (timed, warm))
     run_kvflow(engine, warm[:32])
-    ours, wall = run_kvflow(engine, timed)
-    tokens = sum(len(p) for p in timed)
+    ours, wall, tokens = run_kvflow(engine, timed)
+    if args.save_vectors:
+        np.save(args.save_vectors, torch.stack(ours).numpy())
     results = {"kvflow": EmbedResult(f"kvflow ({numerics_label(engine)})", len(timed), tokens, wall, peak_rss_mb())}
     print(machine_info().describe())
     print(results["kvflow"].summary())

@@ -126,3 +126,13 @@ def test_llamacpp_stream_one_walks_positions(llamacpp):
     assert len(times) == 4 and times[0] >= start and times == sorted(times)
     assert tokens == [50_000 + pos for pos in range(127, 131)]
     assert eng.fed[0] == list(enumerate([5] * 128 + tokens[:-1]))
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6, 104])
+def test_embed_draws_are_kvflows(monkeypatch, seed):
+    """The OpenVINO embedding script times exactly `kvflow bench embed`'s W-embed draws."""
+    from kvflow.bench.embed import embed_prompts
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    script = importlib.import_module("run_openvino_embed")
+    assert script.embed_draw(seed) == embed_prompts(64, 16, 256, seed, (1000, 40000))

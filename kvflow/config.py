@@ -7,8 +7,9 @@ and layers never touch a transformers config object.
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -25,6 +26,23 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+
+def config_object(value: dict[str, Any] | str, name: str, config_type: type) -> dict[str, Any]:
+    """An option given as a dict or its JSON text (the CLI's form), as a dict whose keys are all
+    fields of `config_type`; ValueError naming the option otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: not valid JSON ({exc.msg} at column {exc.colno}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a dict or a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(config_type)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return value
 
 
 @dataclass

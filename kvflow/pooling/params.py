@@ -7,10 +7,10 @@ dimensions to keep (Matryoshka models only) and whether to normalise, overriding
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from kvflow.config import config_object
 from kvflow.sampling.params import check_truncate_prompt_tokens
 
 # LAST: the final prompt position's hidden state (what decoder-only embedding models such as
@@ -41,18 +41,7 @@ class PoolerConfig:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config: not valid JSON ({exc.msg}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config: expected an object such as {{\"pooling_type\": \"MEAN\"}}, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"pooler_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**config_object(value, "pooler_config", cls))
 
 
 @dataclass

@@ -12,9 +12,10 @@ names the field instead of deep inside a step.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from kvflow.config import config_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -48,17 +49,7 @@ class SpeculativeConfig:
         """From a dict, a JSON string (the CLI's form) or an existing config; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: expected a dict or a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        value = config_object(value, "speculative_config", cls)
         if value.get("method") not in METHODS:
             what = "required" if "method" not in value else f"{value['method']!r} is not"
             raise ValueError(f"speculative_config.method: {what} one of {', '.join(METHODS)}")

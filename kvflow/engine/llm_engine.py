@@ -30,7 +30,7 @@ from kvflow.engine.memory_plan import KVCachePlan
 from kvflow.engine.model_placement import (build_lora_manager, build_runner, build_speculator, place_model,
                                            plan_draft_model)
 from kvflow.engine.model_runner import SampledTokens, StepOutput
-from kvflow.engine.parallel_sampling import SampleGroups, prompt_tokens_computed
+from kvflow.engine.parallel_sampling import SampleGroups, check_n, prompt_tokens_computed
 from kvflow.engine.request_state import EngineStats, RequestState, make_output, make_pooling_output
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
@@ -147,7 +147,8 @@ class LLMEngine:
         arrival_time = arrival_time or time.time()
         if params.structured_outputs is not None:  # compiled now unless already cached (see compile_structured_output)
             self.structured_output.check_servable(params.structured_outputs, self.speculator is not None)
-        if lora_request is not None:
+        check_n(params.n, self.config.max_num_seqs)
+        if lora_request is not None:  # last: a request refused above leaves no adapter loaded
             self.add_lora(lora_request)
 
         def make(seq_id: str, p: SamplingParams, index: int = 0) -> RequestState:

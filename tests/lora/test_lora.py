@@ -164,6 +164,15 @@ def test_an_engine_without_lora_refuses_adapters(lora_models):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_refused_request_loads_no_adapter(lora_models):
+    """The request's own checks (here n above max_num_seqs) run before its adapter loads."""
+    llm = engine(lora_models, max_num_seqs=2)
+    params = SamplingParams(n=3, temperature=0.5, max_tokens=4)
+    with pytest.raises(ValueError, match="n must be at most max_num_seqs"):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False, lora_request=lora(lora_models, "all", 1))
+    assert llm.engine.list_loras() == set() and not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("options, message", [
     ({"max_loras": 0}, "max_loras must be a positive integer"),
     ({"max_lora_rank": -1}, "max_lora_rank must be a positive integer"),

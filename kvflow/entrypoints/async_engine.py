@@ -173,8 +173,14 @@ class AsyncEngine:
             # the engine thread keeps stepping; its add_request then finds the grammar cached.
             await loop.run_in_executor(None, self.engine.compile_structured_output, params)
         if kv_transfer_params is not None and (lora_request is not None or cache_salt_of(prompt) is not None):
-            raise ValueError("kv_transfer_params: not with a LoRA adapter or a cache_salt yet (the instances would "
-                             "key their blocks apart, and the decode instance would wait for nothing)")
+            # The instances would key the blocks apart (adapter, salt) and the consumer would wait for
+            # nothing. A producer refuses (the router logs it); a consumer computes the prompt itself,
+            # as when a prefill fails, so the client still gets its answer.
+            if not kv_transfer_params.get("do_remote_prefill"):
+                raise ValueError("kv_transfer_params: not with a LoRA adapter or a cache_salt yet")
+            logger.info("request %s: a LoRA adapter or cache_salt; computing its prompt here instead of "
+                        "loading it from the prefill instance", request_id)
+            kv_transfer_params = None
         if kv_transfer_params is not None:  # a consumer loads the prompt's blocks from the producer first
             from kvflow.distributed.kv_transfer.zmq_connector import prepare_kv_transfer
 

@@ -109,7 +109,9 @@ class Router:
             return error_response(400, "the request body must be a JSON object")
         key, namespace = prompt_key(path, body), prompt_namespace(body)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
-        if self.prefills and not path.endswith("embeddings"):  # an embedding is all prompt: nothing to hand over
+        # An embedding is all prompt: nothing to hand over. A salted prompt's blocks are keyed by its
+        # salt on each instance, which the KV transfer does not carry yet: the decode instance computes it.
+        if self.prefills and not path.endswith("embeddings") and body.get("cache_salt") is None:
             body_bytes = await self.prefill(path, body, body_bytes, key, namespace, headers)
         tried: set[str] = set()
         while True:

@@ -205,6 +205,19 @@ def test_disaggregated_prefill_moves_the_prompt_blocks(cluster):
     bad = httpx.post(procs[0][1] + "/v1/completions", json={"model": NAME, "prompt": [5, 6], "max_tokens": 2,
                                                             "kv_transfer_params": {"do_remote_prefill": True}})
     assert bad.status_code == 400 and "not a kv_consumer" in bad.json()["error"]["message"]
+    # A salted request is served whole by the decode instance (its blocks are keyed by the salt), and
+    # a consumer handed one with kv_transfer_params computes the prompt itself instead of waiting.
+    prompt = prompts(8, 1)[0]
+    ref = ref_llm.generate([{"prompt_token_ids": prompt, "cache_salt": "t1"}],
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert complete(http, http.pd_url, prompt, cache_salt="t1")["choices"][0]["text"] == ref
+    direct = complete(http, procs[1][1], prompt, cache_salt="t2", kv_transfer_params={
+        "do_remote_prefill": True, "remote_kv_addr": info.get("kv_addr") or "tcp://127.0.0.1:1"})
+    assert direct["choices"][0]["text"] == ref
+    salted = httpx.post(procs[0][1] + "/v1/completions", json={
+        "model": NAME, "prompt": [5, 6], "max_tokens": 2, "cache_salt": "t1",
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]["message"]
 
 
 def test_dead_instance_is_routed_around_then_reported(cluster):

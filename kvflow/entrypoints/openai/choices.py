@@ -117,16 +117,18 @@ class ChoiceStates:
 
 
 async def submit_all(engine: Any, prefix: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams], body: p.SamplingRequest,
+                     params: list[Any], body: p.OpenAIModel,
                      lora_request: Any = None) -> tuple[str, list[Any]]:
     """Submit one engine request per prompt, with the request's priority, cache_salt,
-    kv_transfer_params and LoRA adapter; all or none (a refused prompt aborts the others)."""
-    if body.kv_transfer_params is not None and len(prompts) != 1:
+    kv_transfer_params (on the routes that take it) and LoRA adapter; all or none (a refused
+    prompt aborts the others)."""
+    transfer = getattr(body, "kv_transfer_params", None)  # /v1/embeddings has none
+    if transfer is not None and len(prompts) != 1:
         raise p.InvalidRequestError("kv_transfer_params: only a single prompt can be disaggregated",
                                     param="kv_transfer_params")
     extra: dict[str, Any] = {}  # optional arguments, sent only when set (not every engine takes them)
-    if body.kv_transfer_params is not None:
-        extra["kv_transfer_params"] = body.kv_transfer_params
+    if transfer is not None:
+        extra["kv_transfer_params"] = transfer
     if lora_request is not None:
         extra["lora_request"] = lora_request
     salt = {"cache_salt": body.cache_salt} if body.cache_salt is not None else {}

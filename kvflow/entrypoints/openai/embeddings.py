@@ -51,7 +51,6 @@ class EmbeddingRequest(p.OpenAIModel, ToolFields):
     chat_template_kwargs: dict[str, Any] | None = None
     priority: int = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    kv_transfer_params: None = None  # submit_all's field; embeddings are never disaggregated
 
 
 class EmbeddingData(p.OpenAIModel):

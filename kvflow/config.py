@@ -72,6 +72,13 @@ class ModelConfig:
     # embedding may be cut to its leading `dimensions` (kvflow.pooling), and to which sizes (None: any).
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; layers/moe.py). num_experts == 0: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's (intermediate_size stays the dense MLPs')
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on, sigmoid-gated expert (0: none)
+    moe_layers: list[int] = field(default_factory=list)  # the layers whose MLP is sparse, by index
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -85,6 +92,7 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope["type"]
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         return cls(
@@ -101,9 +109,11 @@ class ModelConfig:
             rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama-family configs say so explicitly.
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM" or bool(cfg.get("qk_norm", False)),
+            # Qwen2 always has q/k/v biases, Qwen2-MoE unless `qkv_bias` says not; Llama-family
+            # configs say so explicitly.
+            attention_bias=bool(cfg.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM"
+            else bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or bool(cfg.get("qk_norm", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -111,6 +121,13 @@ class ModelConfig:
             is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
             matryoshka_dimensions=[int(d) for d in cfg["matryoshka_dimensions"]] if cfg.get("matryoshka_dimensions")
             else None,
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            # Mixtral's experts are `intermediate_size` wide; the Qwen MoEs name theirs apart.
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "MixtralForCausalLM")),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            moe_layers=_moe_layers(cfg, experts),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -121,24 +138,50 @@ class ModelConfig:
         per_head = round(self.head_dim * bytes_per_element(kv_cache_dtype, self.head_dim, dtype))
         return self.num_hidden_layers * 2 * self.num_key_value_heads * per_head
 
-    def num_linear_parameters(self) -> int:
-        """Weights of the decoder layers' projections (what weight quantization applies to)."""
-        h, i = self.hidden_size, self.intermediate_size
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` routes its tokens to experts (layers/moe.py) instead of one MLP."""
+        return index in self.moe_layers
+
+    def mlp_linear_parameters(self, index: int, active: bool = False) -> int:
+        """Weights of layer `index`'s MLP projections: every expert's, or with `active` those one
+        token reads (its top-k experts and the shared one). Routers are not counted."""
+        h = self.hidden_size
+        if not self.is_moe_layer(index):
+            return 3 * h * self.intermediate_size
+        routed = self.num_experts_per_tok if active else self.num_experts
+        return 3 * h * (routed * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+
+    def num_linear_parameters(self, active: bool = False) -> int:
+        """Weights of the decoder layers' projections (what weight quantization applies to); with
+        `active`, only those one token reads (a mixture of experts reads its top-k)."""
+        h = self.hidden_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        return self.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
+        attention = h * (q + 2 * kv) + q * h
+        return sum(attention + self.mlp_linear_parameters(i, active) for i in range(self.num_hidden_layers))
 
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (for memory plans made without weights)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        routers = len(self.moe_layers) * h * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embed + h
+        return self.num_linear_parameters() + self.num_hidden_layers * per_layer + routers + embed + h
+
+
+def _moe_layers(cfg: dict[str, Any], experts: int) -> list[int]:
+    """Which layers route to experts: every `decoder_sparse_step`-th one not in `mlp_only_layers`
+    (the Qwen MoEs' keys, as transformers reads them; Mixtral's layers are all sparse)."""
+    if not experts:
+        return []
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    return [i for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0]
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:

@@ -159,6 +159,15 @@ def _tiny_config(arch: str):
         return transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
     if arch == "qwen3":
         return transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    # mixtures of experts: 8 experts, top 2
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen2moe":  # a shared expert, norm_topk_prob off, and a dense layer (mlp_only_layers)
+        return transformers.Qwen2MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                           shared_expert_intermediate_size=96, mlp_only_layers=[1])
+    if arch == "qwen3moe":
+        return transformers.Qwen3MoeConfig(**TINY, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, norm_topk_prob=True)
     raise KeyError(arch)
 
 

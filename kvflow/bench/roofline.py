@@ -73,11 +73,12 @@ class Fraction:
 
 
 def model_cost(cfg: ModelConfig, dtype: torch.dtype) -> ModelCost:
-    """Matmul FLOPs and decode bytes from the shapes (a multiply-add is 2 FLOPs)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
+    """Matmul FLOPs and decode bytes from the shapes (a multiply-add is 2 FLOPs). A mixture of
+    experts counts the weights one token reads (its top-k experts): its FLOPs exactly, its decode
+    bytes at one sequence (a batch touches more experts, up to all of them)."""
+    h = cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i  # qkv, o, gate/up/down
-    body = cfg.num_hidden_layers * per_layer
+    body = cfg.num_linear_parameters(active=True)  # qkv, o, gate/up/down
     head = h * cfg.vocab_size
     elem = torch.tensor([], dtype=dtype).element_size()
     name = str(dtype).removeprefix("torch.")

@@ -60,6 +60,9 @@ class ParallelConfig:
         if t > kv and t % kv:
             raise ValueError(f"tensor_parallel_size={t} exceeds the model's {kv} KV heads and is not a multiple "
                              f"of them, so they cannot be replicated evenly")
+        if t > 1 and cfg.num_experts:
+            raise ValueError(f"tensor_parallel_size={t}: a mixture-of-experts model ({cfg.architecture}) is not split "
+                             "across tensor-parallel ranks yet; pipeline_parallel_size splits its layers")
         if cfg.intermediate_size % t:
             raise ValueError(f"tensor_parallel_size={t} does not divide the model's intermediate_size="
                              f"{cfg.intermediate_size}")
@@ -102,6 +105,7 @@ class ParallelConfig:
             intermediate_size=cfg.intermediate_size // t,
             vocab_size=self.vocab_shard(cfg.vocab_size, tp_rank)[2],
             num_hidden_layers=end - start,
+            moe_layers=[i - start for i in cfg.moe_layers if start <= i < end],  # indices within the stage
         )
 
     def is_first_stage(self, rank: int) -> bool:

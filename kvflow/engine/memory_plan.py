@@ -151,7 +151,9 @@ def cuda_activation_bytes(cfg: ModelConfig, dtype: torch.dtype, max_num_batched_
     allocator's slack."""
     elem = torch.tensor([], dtype=dtype).element_size()
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    per_token = (4 * cfg.hidden_size + 2 * cfg.intermediate_size + qkv) * elem
+    mlp = max(cfg.intermediate_size, cfg.num_experts_per_tok * cfg.moe_intermediate_size
+              + cfg.shared_expert_intermediate_size)  # a token's gate/up rows, all its experts'
+    per_token = (4 * cfg.hidden_size + 2 * mlp + qkv) * elem
     return 2 * max_num_batched_tokens * per_token + 2 * max_num_seqs * cfg.vocab_size * 4 + (1 << 30)
 
 

@@ -8,6 +8,7 @@ same whichever placement they got: one in-process `ModelRunner` (CPU or CUDA), o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvflow.loader import load_model, resolve_quantization
 from kvflow.quantization.config import QuantizationConfig
 from kvflow.spec_decode.speculator import Speculator
 
+logger = logging.getLogger("kvflow")
 
 @dataclass
 class ModelPlacement:
@@ -109,7 +111,11 @@ def build_runner(placement: ModelPlacement, config: EngineConfig, model_config: 
     runner = ModelRunner(placement.model, placement.attn_backend, model_config, kv_cache_manager, dtype,
                          eos_token_ids, config.kv_cache_dtype, device=placement.device)
     if placement.device.type == "cuda" and not config.enforce_eager:
-        runner.capture_decode_graphs(max_model_len, config.max_num_seqs)
+        if model_config.num_experts:  # layers/moe.py reads its routing on the host
+            logger.info("%s: decode runs eagerly; a mixture of experts' routing cannot be captured in a CUDA graph",
+                        model_config.architecture)
+        else:
+            runner.capture_decode_graphs(max_model_len, config.max_num_seqs)
     return runner
 
 
@@ -119,6 +125,9 @@ def build_lora_manager(config: EngineConfig, placement: ModelPlacement, runner: 
     if placement.distributed:
         raise ValueError("enable_lora: LoRA adapters run with one rank only for now "
                          "(tensor_parallel_size = pipeline_parallel_size = 1)")
+    if placement.model.config.num_experts:
+        raise ValueError(f"enable_lora: LoRA adapters on a mixture-of-experts model "
+                         f"({placement.model.config.architecture}) are not supported yet")
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ValueError("enable_lora: not with a draft model's speculative decoding yet (its draft would run "

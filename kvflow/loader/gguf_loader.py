@@ -207,6 +207,9 @@ def read_gguf_config(path: str) -> dict:
         layers, ffn = int(get("block_count")), int(get("feed_forward_length"))
     except (TypeError, KeyError) as e:  # a required key is missing
         raise _corrupt(path, f"missing {arch}.* shape metadata") from e
+    if get("expert_count"):  # Mixtral's GGUF says "llama": its experts are 3-D tensors this loader cannot split
+        raise ValueError(f"{path}: mixture-of-experts GGUF files ({arch}.expert_count={get('expert_count')}) are not "
+                         "supported yet; run the model's Hugging Face checkpoint")
     shapes = {t.name: t.shape for t in header.tensors}
     vocab = get("vocab_size")
     if vocab is None:

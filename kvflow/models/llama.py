@@ -1,9 +1,11 @@
-"""The Llama decoder family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 and Qwen3.
+"""The Llama decoder family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 and Qwen3, and
+their mixtures of experts: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 They differ only in switches read from `ModelConfig`: q/k/v biases (Qwen2), per-head q/k
-RMSNorm (Qwen3), rope scaling (Llama 3) and tied embeddings. Projections are fused
-(one QKV matmul, one gate/up matmul) and `load_weights` folds the checkpoint's separate
-tensors into them.
+RMSNorm (Qwen3), rope scaling (Llama 3), tied embeddings, and which layers' MLP is a sparse
+mixture of experts (layers/moe.py) instead of one gated MLP. Projections are fused (one QKV
+matmul, one gate/up matmul per MLP or expert) and `load_weights` folds the checkpoint's
+separate tensors into them.
 
 The forward pass takes one flat batch of tokens from many sequences at once
 (`input_ids`, `positions` [num_tokens]) plus the paged KV cache and the step's
@@ -20,9 +22,10 @@ import torch
 from torch import nn
 
 from kvflow.config import ModelConfig
-from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from kvflow.layers.linear import Linear
+from kvflow.layers.mlp import GatedMLP
+from kvflow.layers.moe import SparseMoeBlock
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama_fused import FusedLlamaStack
@@ -57,25 +60,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+def build_mlp(cfg: ModelConfig, layer_index: int) -> nn.Module:
+    """Layer `layer_index`'s MLP: a sparse mixture of experts where the config routes that layer,
+    else one gated MLP."""
+    if not cfg.is_moe_layer(layer_index):
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+    return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                          norm_topk_prob=cfg.norm_topk_prob,
+                          # transformers rounds the Qwen MoEs' routing weights to the model's dtype, not Mixtral's
+                          round_weights=cfg.architecture != "MixtralForCausalLM",
+                          shared_intermediate_size=cfg.shared_expert_intermediate_size)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = build_mlp(cfg, layer_index)
 
     def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output, not yet added to the residual stream (None for the first layer).
@@ -100,13 +103,15 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Mixtral's names for the same tensors -> the Qwen/Llama names the model uses
+    _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -162,6 +167,9 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
+            if ".block_sparse_moe." in name:
+                for mixtral, ours in self._MIXTRAL_NAMES.items():
+                    name = name.replace(mixtral, ours)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 if isinstance(tensor, QuantizedWeight):  # the embedding's own quantized blocks
                     quantized[name] = {0: tensor}
@@ -211,4 +219,5 @@ class LlamaForCausalLM(nn.Module):
         if "qkv_proj" in name:
             q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
             return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return (shard * cfg.intermediate_size, cfg.intermediate_size)
+        width = self.get_submodule(name.rsplit(".", 2)[0]).intermediate_size  # this MLP's, or this expert's
+        return (shard * width, width)

@@ -38,6 +38,7 @@ from torch import nn
 from kvflow.config import ModelConfig
 from kvflow.layers import cpu_kernels, kv_int8
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
+from kvflow.layers.mlp import GatedMLP
 from kvflow.layers.norm import RMSNorm
 
 logger = logging.getLogger("kvflow")
@@ -185,6 +186,8 @@ class FusedLlamaStack:
         dtype = _stack_dtype(model)
         if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm(dtype):
             return None
+        if not all(isinstance(layer.mlp, GatedMLP) for layer in model.layers):
+            return None  # a mixture of experts: the C++ stack has no routing (layers/moe.py runs it)
         attn = model.layers[0].self_attn
         unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                                           layer.mlp.down_proj)]

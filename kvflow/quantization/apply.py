@@ -1,9 +1,9 @@
 """Quantizing a loaded model's linear layers at load time (int8, int4).
 
 Runs after the weights are loaded and before they are packed: each `Linear` but the LM head
-(unless `quantize_lm_head`) trades its float weight for a `QuantizedWeight`. Layers a GGUF
-file or a compressed-tensors or GPTQ checkpoint shipped quantized already hold theirs and are left
-as they are.
+(unless `quantize_lm_head`) and a mixture of experts' routers trades its float weight for a
+`QuantizedWeight`. Layers a GGUF file or a compressed-tensors or GPTQ checkpoint shipped
+quantized already hold theirs and are left as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 from kvflow.layers.linear import Linear
 from kvflow.layers.memory import return_freed_heap
+from kvflow.layers.moe import ROUTER_NAMES
 from kvflow.quantization.config import SHIPPED, QuantizationConfig
 from kvflow.quantization.methods import quantize
 
@@ -54,4 +55,7 @@ def summarize(model: nn.Module) -> Counter:
 
 
 def _eligible(name: str, config: QuantizationConfig) -> bool:
-    return config.quantize_lm_head or name.rsplit(".", 1)[-1] != "lm_head"
+    """Every linear layer but a mixture of experts' routers (a handful of weights whose rounding
+    would move tokens between experts) and, unless asked, the LM head."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf not in ROUTER_NAMES and (config.quantize_lm_head or leaf != "lm_head")

@@ -11,7 +11,7 @@ import torch
 from kvflow import LLM, SamplingParams
 from tests.conftest import assert_greedy_match, hf_greedy
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2moe", "qwen3moe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

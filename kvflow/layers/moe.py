@@ -1,0 +1,99 @@
+"""A sparse mixture-of-experts MLP: each token runs through the top-k of E expert MLPs.
+
+Mixtral, Qwen2-MoE and Qwen3-MoE share this block and differ in switches:
+  - the router (`gate`, a [E, hidden] projection) gives each token E logits; a float32 softmax
+    over them, the k largest probabilities pick the experts, and those k weights are
+    renormalised to sum to one where the model says so (`norm_topk_prob`: Mixtral always,
+    Qwen per config);
+  - Mixtral scales an expert's output by its float32 weight; the Qwen MoEs round the weights
+    to the model's dtype first (`round_weights`), as transformers does;
+  - Qwen2-MoE adds an always-on shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+The forward pass groups the step's (token, expert) pairs by expert, runs each chosen expert
+once on its rows (a packed `Linear` pair, so the GEMMs are the same batch-invariant kernels as
+the dense MLP's), and adds each token's weighted outputs in expert order, as the reference
+does. A token's result therefore depends only on the token: the same alone, batched, chunked
+or recomputed after a preemption. Experts no token chose cost nothing. The routing is read on
+the host (which experts ran), so a CUDA graph cannot capture this block (model_placement.py
+runs it eagerly).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.layers.linear import Linear
+from kvflow.layers.mlp import GatedMLP
+
+# The routers' module names: they stay in the model's dtype under weight quantization.
+ROUTER_NAMES = frozenset({"gate", "shared_expert_gate"})
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
+                 norm_topk_prob: bool, round_weights: bool, shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the model's {num_experts} experts")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.norm_topk_prob, self.round_weights = norm_topk_prob, round_weights
+        self.gate = Linear(hidden_size, num_experts, bias=False)  # the router; never quantized
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids), both [tokens, top_k]: each token's chosen experts, by probability."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(x.dtype)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        # (token, slot) pairs sorted by expert; a stable sort keeps each expert's tokens in order.
+        pairs = torch.argsort(experts.flatten(), stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
+        flat_weights = weights.flatten()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            chosen = pairs[start: start + count]
+            start += count
+            tokens = chosen // self.top_k
+            y = self.experts[expert](x.index_select(0, tokens)) * flat_weights.index_select(0, chosen).unsqueeze(1)
+            out.index_add_(0, tokens, y.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + vector_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+# Elements per call of `vector_sigmoid`: a multiple of every vector loop's stride (AVX-512 bf16:
+# 64), and below PyTorch's grain size (32,768), so one thread runs the call from its first element.
+_SIGMOID_SLICE = 16384
+
+
+def vector_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid with the same bits for an element wherever it sits in the tensor.
+
+    PyTorch's CPU sigmoid runs a vector loop and finishes the last few elements with the scalar
+    formula, whose exp rounds differently; a token's shared-expert gate (one value per token)
+    would then change with the number of tokens in the step. Padded to whole slices of
+    `_SIGMOID_SLICE`, every element takes the vector loop."""
+    if x.device.type != "cpu":
+        return torch.sigmoid(x)
+    flat = x.reshape(-1)
+    padded = torch.zeros(-(-flat.numel() // 64) * 64, dtype=x.dtype)
+    padded[: flat.numel()] = flat
+    for piece in padded.split(_SIGMOID_SLICE):
+        piece.sigmoid_()
+    return padded[: flat.numel()].view(x.shape)

@@ -60,12 +60,9 @@ class ParallelConfig:
         if t > kv and t % kv:
             raise ValueError(f"tensor_parallel_size={t} exceeds the model's {kv} KV heads and is not a multiple "
                              f"of them, so they cannot be replicated evenly")
-        if t > 1 and cfg.num_experts:
-            raise ValueError(f"tensor_parallel_size={t}: a mixture-of-experts model ({cfg.architecture}) is not split "
-                             "across tensor-parallel ranks yet; pipeline_parallel_size splits its layers")
-        if cfg.intermediate_size % t:
-            raise ValueError(f"tensor_parallel_size={t} does not divide the model's intermediate_size="
-                             f"{cfg.intermediate_size}")
+        for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(cfg, key) % t:  # (each expert is split like a dense MLP)
+                raise ValueError(f"tensor_parallel_size={t} does not divide the model's {key}={getattr(cfg, key)}")
         if p > cfg.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={p} exceeds the model's {cfg.num_hidden_layers} layers")
 
@@ -94,7 +91,7 @@ class ParallelConfig:
         return tp_rank // (t // kv), 1
 
     def rank_model_config(self, cfg: ModelConfig, rank: int) -> ModelConfig:
-        """The model a rank builds: its heads, MLP slice, vocabulary slice and layers."""
+        """The model a rank builds: its heads, MLP (and every expert's) slice, vocabulary slice and layers."""
         tp_rank, stage = self.rank_coords(rank)
         start, end = self.layer_range(cfg.num_hidden_layers, stage)
         t = self.tensor_parallel_size
@@ -103,6 +100,8 @@ class ParallelConfig:
             num_attention_heads=cfg.num_attention_heads // t,
             num_key_value_heads=self.kv_heads(cfg, tp_rank)[1],
             intermediate_size=cfg.intermediate_size // t,
+            moe_intermediate_size=cfg.moe_intermediate_size // t,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // t,
             vocab_size=self.vocab_shard(cfg.vocab_size, tp_rank)[2],
             num_hidden_layers=end - start,
             moe_layers=[i - start for i in cfg.moe_layers if start <= i < end],  # indices within the stage

@@ -5,6 +5,8 @@ Megatron's split of a Llama layer, one all-reduce per sublayer:
     gate/up rows of its MLP slice; each rank computes its heads' attention on its own;
   - row-parallel: the o_proj and down_proj columns of the same slices; each rank's product is
     a partial sum, and one all-reduce (`RowParallel`) makes the full output on every rank;
+  - a mixture of experts: every expert split like the dense MLP, the routers replicated, and one
+    all-reduce after the block's weighted sum;
   - vocab-parallel: embedding rows and LM-head rows of a vocabulary slice. A token's row is on
     one rank; the others contribute zeros, so the all-reduce of the embedding is exact. The LM
     head's logit shards are gathered on TP rank 0 and cut back to the vocabulary.
@@ -25,9 +27,13 @@ from torch import nn
 from kvflow.config import ModelConfig
 from kvflow.distributed.config import ParallelConfig
 from kvflow.distributed.parallel_state import ParallelState
+from kvflow.layers.moe import SparseMoeBlock
 from kvflow.quantization.qweight import QuantizedWeight
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+# MLP and expert projections by their checkpoint names (Mixtral's experts: w1 gate, w3 up, w2 down)
+_GATE_UP = re.compile(r"\.(gate_proj|up_proj)\.|\.experts\.\d+\.(w1|w3)\.")
+_DOWN = re.compile(r"\.down_proj\.|\.experts\.\d+\.w2\.")
 Weight = torch.Tensor | QuantizedWeight
 
 
@@ -62,6 +68,16 @@ def shard_weights(weights: Iterable[tuple[str, Weight]], cfg: ModelConfig, paral
         yield name, tensor
 
 
+def _mlp_width(name: str, cfg: ModelConfig) -> int:
+    """The intermediate size of the MLP a gate/up/down tensor belongs to: an expert's, the
+    shared expert's or the dense MLP's."""
+    if ".experts." in name:
+        return cfg.moe_intermediate_size
+    if ".shared_expert." in name:
+        return cfg.shared_expert_intermediate_size
+    return cfg.intermediate_size
+
+
 def _slice(name: str, tensor: torch.Tensor, cfg: ModelConfig, parallel: ParallelConfig, tp_rank: int) -> torch.Tensor:
     t, d = parallel.tensor_parallel_size, cfg.head_dim
     if ".q_proj." in name:
@@ -73,11 +89,11 @@ def _slice(name: str, tensor: torch.Tensor, cfg: ModelConfig, parallel: Parallel
     if ".o_proj." in name:
         heads = cfg.num_attention_heads // t
         return tensor.narrow(1, tp_rank * heads * d, heads * d)
-    if ".gate_proj." in name or ".up_proj." in name:
-        size = cfg.intermediate_size // t
+    if _GATE_UP.search(name):
+        size = _mlp_width(name, cfg) // t
         return tensor.narrow(0, tp_rank * size, size)
-    if ".down_proj." in name:
-        size = cfg.intermediate_size // t
+    if _DOWN.search(name):
+        size = _mlp_width(name, cfg) // t
         return tensor.narrow(1, tp_rank * size, size)
     if name.startswith(("embed_tokens.", "lm_head.")):
         start, held, padded = parallel.vocab_shard(cfg.vocab_size, tp_rank)
@@ -105,7 +121,12 @@ def make_row_parallel(model: nn.Module, state: ParallelState) -> None:
         return
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, state)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, state)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            # Every expert's output is a partial sum, and so is their weighted sum (the routers are
+            # replicated, so every rank routes a token alike): one all-reduce for the whole block.
+            layer.mlp = RowParallel(layer.mlp, state)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, state)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, input_ids: torch.Tensor, vocab_size: int,

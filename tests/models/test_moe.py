@@ -122,14 +122,18 @@ def test_scheduling_does_not_change_bits(arch, dtype, tiny_models):
         assert not bad, f"{arch} {dtype} {label}: prompts {bad} differ from the reference"
 
 
-def test_pipeline_stages_build_their_own_layers_mlps(tiny_models, monkeypatch):
-    """P=2 over Qwen2-MoE's sparse layer 0 and dense layer 1: each stage numbers its layers from
-    0, and the second one's must still be dense (ParallelConfig.rank_model_config)."""
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_parallel_layouts_match_transformers(arch, layout, tiny_models, monkeypatch):
+    """T=2: every expert (and the shared one) split across the ranks, one all-reduce per block.
+    P=2 over Qwen2-MoE's sparse layer 0 and dense layer 1: each stage numbers its layers from 0,
+    and the second one's must still be dense (ParallelConfig.rank_model_config)."""
     monkeypatch.setenv("KVFLOW_WORKER_MULTIPROC_METHOD", "fork")  # see tests/distributed
     monkeypatch.setenv("KVFLOW_OVERSUBSCRIBE", "1")
-    path, hf = tiny_models("qwen2moe")
+    path, hf = tiny_models(arch)
     prompts = _prompts()[20:26]
-    llm = LLM(path, dtype="float32", pipeline_parallel_size=2, num_threads=1, max_num_batched_tokens=48)
+    llm = LLM(path, dtype="float32", num_threads=1, max_num_batched_tokens=48, **layout)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -161,8 +165,6 @@ def test_int8_quantizes_experts_but_not_routers(tiny_models):
 
 def test_refusals_name_the_setting(tiny_models, tmp_path):
     path, _ = tiny_models("mixtral")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: a mixture-of-experts model"):
-        LLM(path, tensor_parallel_size=2, dtype="float32")
     with pytest.raises(ValueError, match="enable_lora: LoRA adapters on a mixture-of-experts model"):
         LLM(path, enable_lora=True, dtype="float32")
     broken = tmp_path / "missing-expert"

@@ -11,7 +11,7 @@ through gguf itself.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
 import logging
 import mmap
@@ -26,12 +26,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kvflow.loader.gguf_experts import BLOCK_NAMES as EXPERT_BLOCK_NAMES
+from kvflow.loader.gguf_experts import expert_parts, moe_config
 from kvflow.quantization.gguf import SHIPPED_NAMES, SHIPPED_TYPES, from_gguf_blocks
 from kvflow.quantization.qweight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 used 32-bit counts; llama.cpp has not written it since 2023
@@ -50,6 +53,7 @@ _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    **EXPERT_BLOCK_NAMES,  # routers and shared experts; stacked experts: gguf_experts.expert_parts
 }  # fmt: skip
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors with no Hugging Face parameter. rope_freqs holds llama3-style per-frequency rope
@@ -188,6 +192,11 @@ def _architecture(header: _Header, path: str) -> str:
     return arch
 
 
+def gguf_architecture(path: str) -> str:
+    """The file's llama.cpp architecture name; ValueError naming the supported ones."""
+    return _architecture(_header(path), path)
+
+
 def read_gguf_metadata(path: str) -> dict[str, Any]:
     """The file's key/value metadata (string arrays such as the vocabulary hold only their length)."""
     return dict(_header(path).metadata)
@@ -204,12 +213,9 @@ def read_gguf_config(path: str) -> dict:
 
     try:
         hidden, heads, kv_heads = int(get("embedding_length")), *_head_counts(meta, arch)
-        layers, ffn = int(get("block_count")), int(get("feed_forward_length"))
+        layers, ffn = int(get("block_count")), int(get("feed_forward_length") or get("expert_feed_forward_length"))
     except (TypeError, KeyError) as e:  # a required key is missing
         raise _corrupt(path, f"missing {arch}.* shape metadata") from e
-    if get("expert_count"):  # Mixtral's GGUF says "llama": its experts are 3-D tensors this loader cannot split
-        raise ValueError(f"{path}: mixture-of-experts GGUF files ({arch}.expert_count={get('expert_count')}) are not "
-                         "supported yet; run the model's Hugging Face checkpoint")
     shapes = {t.name: t.shape for t in header.tensors}
     vocab = get("vocab_size")
     if vocab is None:
@@ -235,10 +241,13 @@ def read_gguf_config(path: str) -> dict:
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "qkv_bias": "blk.0.attn_q.bias" in shapes,  # Qwen2-MoE's name for it
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
         "torch_dtype": None,  # quantized blocks: the caller picks the compute dtype
     }
+    if get("expert_count"):  # a mixture of experts (Mixtral's file says "llama")
+        config |= moe_config(get, arch, shapes, layers, ffn)
     if "rope_freqs.weight" in shapes:
         logger.warning("%s: rope_freqs (llama3 rope scaling factors) is ignored; rope_scaling is not set", path)
     return config
@@ -318,12 +327,7 @@ def iter_gguf_weights(
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     dequantized: dict[str, int] = {}
     tied_head = not any(t.name == "output.weight" for t in header.tensors)
-    for info in header.tensors:
-        if info.name in _SKIPPED:
-            continue
-        hf_name = _hf_name(info.name)
-        if hf_name is None:
-            raise ValueError(f"model: {path}: GGUF tensor {info.name!r} has no Hugging Face counterpart")
+    for hf_name, info in _named_tensors(header, path):
         n_head = heads if ".attn_q." in info.name else kv_heads if ".attn_k." in info.name else None
         permuted = arch == "llama" and n_head is not None
         if keep_quantized is not None and keep_quantized(hf_name):
@@ -356,45 +360,31 @@ def iter_gguf_weights(
                        ", ".join(SHIPPED_NAMES))
 
 
+def _named_tensors(header: _Header, path: str) -> Iterator[tuple[str, _TensorInfo]]:
+    """(HF name, tensor) of every weight the model takes: a stacked expert tensor as one 2-D
+    tensor per expert (a run of its bytes), a 1-D shared-expert gate as the [1, hidden] row it is."""
+    for info in header.tensors:
+        if info.name in _SKIPPED:
+            continue
+        parts = expert_parts(info.name, info.shape, info.nbytes)
+        if parts is not None:
+            for hf_name, shape, offset in parts:
+                yield hf_name, dataclasses.replace(info, shape=shape, offset=info.offset + offset,
+                                                   nbytes=info.nbytes // len(parts))
+            continue
+        hf_name = _hf_name(info.name)
+        if hf_name is None:
+            raise ValueError(f"model: {path}: GGUF tensor {info.name!r} has no Hugging Face counterpart")
+        if len(info.shape) == 1 and hf_name.endswith("shared_expert_gate.weight"):
+            info = dataclasses.replace(info, shape=(1, info.shape[0]))
+        yield hf_name, info
+
+
 def linear_weight_types(path: str) -> dict[str, int]:
     """How many 2-D weights (other than the embedding) the file stores in each type, e.g. {"Q4_1": 210}."""
     counts: dict[str, int] = {}
     for info in _header(path).tensors:
-        if len(info.shape) == 2 and info.name != "token_embd.weight":
+        if len(info.shape) >= 2 and info.name != "token_embd.weight":  # (3-D: stacked experts)
             kind = GGMLQuantizationType(info.qtype).name
             counts[kind] = counts.get(kind, 0) + 1
     return counts
-
-
-def load_gguf_tokenizer(path: str) -> Any:
-    """A transformers fast tokenizer rebuilt from the GGUF's vocabulary, merges and chat template.
-
-    `PreTrainedTokenizerFast` is used directly: `AutoTokenizer` would first build a whole
-    `AutoConfig` from the file (another full metadata parse, ~2-4 s) only to pick a class.
-    Each call returns a tokenizer of its own (a copy of the first one built from this file, as
-    it is on disk now: 0.2 s instead of 1.4 s for the default model's), so no caller sees
-    another's changes to it.
-    """
-    header = _header(path)  # validates the file with a clear error before transformers reads it
-    _architecture(header, path)
-    path = os.path.abspath(path)
-    stat = os.stat(path)
-    return copy.deepcopy(_built_tokenizer(path, stat.st_mtime_ns, stat.st_size))
-
-
-@functools.lru_cache(maxsize=4)
-def _built_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
-    """The tokenizer transformers converts from the GGUF at `path` (mtime and size: its version)."""
-    from transformers import PreTrainedTokenizerFast
-
-    header = _header(path)
-    try:
-        tok = PreTrainedTokenizerFast.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-        )
-    except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"model: cannot build a tokenizer from {path}: {e}") from e
-    template = header.metadata.get("tokenizer.chat_template")
-    if isinstance(template, str) and tok.chat_template != template:
-        tok.chat_template = template  # transformers copies it today; make sure it always does
-    return tok

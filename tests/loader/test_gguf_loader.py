@@ -89,13 +89,13 @@ def test_smollm2_weights_match_transformers(smollm2: str, reference_state_dict: 
 def test_each_tokenizer_load_gets_a_tokenizer_of_its_own(smollm2: str) -> None:
     """Loads of one file share its conversion (cached), never the object: a change one caller
     makes to its tokenizer is not seen by the next."""
-    from kvflow.loader import gguf_loader
+    from kvflow.loader import tokenizer
 
     first = load_tokenizer(smollm2)
     first.chat_template = "{{ 'changed' }}"
-    hits = gguf_loader._built_tokenizer.cache_info().hits
+    hits = tokenizer._built_tokenizer.cache_info().hits
     second = load_tokenizer(smollm2)
-    assert gguf_loader._built_tokenizer.cache_info().hits == hits + 1
+    assert tokenizer._built_tokenizer.cache_info().hits == hits + 1
     assert second is not first and second.backend_tokenizer is not first.backend_tokenizer
     assert second.chat_template != first.chat_template and "im_start" in second.chat_template
     assert second.encode("What is the capital of France?") == [1780, 314, 260, 3575, 282, 4649, 47]

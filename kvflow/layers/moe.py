@@ -9,11 +9,13 @@ Mixtral, Qwen2-MoE and Qwen3-MoE share this block and differ in switches:
     to the model's dtype first (`round_weights`), as transformers does;
   - Qwen2-MoE adds an always-on shared expert scaled by sigmoid(shared_expert_gate(x)).
 
-The forward pass groups the step's (token, expert) pairs by expert, runs each chosen expert
-once on its rows (a packed `Linear` pair, so the GEMMs are the same batch-invariant kernels as
-the dense MLP's), and adds each token's weighted outputs in expert order, as the reference
-does. A token's result therefore depends only on the token: the same alone, batched, chunked
-or recomputed after a preemption. Experts no token chose cost nothing. The routing is read on
+The forward pass gathers the step's (token, expert) pairs grouped by expert once, runs each
+chosen expert on its contiguous run of rows (a packed `Linear` pair, so the GEMMs are the
+same batch-invariant kernels as the dense MLP's), weights all outputs in one op, and adds each
+token's outputs in expert order, as the reference does, with element-wise adds. A token's
+result therefore depends only on the token: the same alone, batched, chunked or recomputed
+after a preemption. Experts no token chose cost nothing; a chosen one costs its two GEMMs and
+its activation, the rest of the dispatch is a fixed dozen ops per step (scripts/moe_block_cost.py). The routing is read on
 the host (which experts ran), so a CUDA graph cannot capture this block (model_placement.py
 runs it eagerly).
 """
@@ -57,21 +59,30 @@ class SparseMoeBlock(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
         weights, experts = self.route(x)
-        out = torch.zeros_like(x)
-        # (token, slot) pairs sorted by expert; a stable sort keeps each expert's tokens in order.
-        pairs = torch.argsort(experts.flatten(), stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
-        flat_weights = weights.flatten()
-        start = 0
+        # Each token's experts in ascending order: the order the reference adds their outputs in.
+        experts, order = experts.sort(dim=-1)
+        weights = weights.gather(1, order)
+        # (token, slot) pairs grouped by expert: each expert's rows are one contiguous run
+        flat = experts.flatten()
+        pairs = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, pairs // self.top_k)
+        outputs, start = [], 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            chosen = pairs[start: start + count]
-            start += count
-            tokens = chosen // self.top_k
-            y = self.experts[expert](x.index_select(0, tokens)) * flat_weights.index_select(0, chosen).unsqueeze(1)
-            out.index_add_(0, tokens, y.to(x.dtype))
+            if count:
+                outputs.append(self.experts[expert](rows[start: start + count]))
+                start += count
+        y = (torch.cat(outputs) * weights.flatten().index_select(0, pairs).unsqueeze(1)).to(x.dtype)
+        # Back to (token, slot) places, then each token's k outputs summed in slot order: plain
+        # element-wise adds, so a token's sum never depends on the other tokens of the step.
+        per_slot = torch.empty(flat.numel(), x.shape[1], dtype=x.dtype, device=x.device).index_copy_(0, pairs, y)
+        per_slot = per_slot.view(-1, self.top_k, x.shape[1])
+        out = per_slot[:, 0].clone() if self.top_k == 1 else per_slot[:, 0] + per_slot[:, 1]
+        for slot in range(2, self.top_k):
+            out = out + per_slot[:, slot]
         if self.shared_expert is not None:
             out = out + vector_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -18,6 +18,8 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
 int kvflow_quant_gemm_bf16(int out_dtype, const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int bits,
                            int layout, const uint8_t* q, const float* scales, const float* offsets, int64_t group,
                            int64_t n, const void* bias, void* y, int64_t y_stride);
+struct KvflowMoe;  // moe.cpp
+int kvflow_moe_forward(int dtype, const KvflowMoe* moe, const void* x, int64_t tokens, int64_t hidden, void* out);
 int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
                     const float* bias, float* y, int64_t y_stride);
 int kvflow_write_kv(const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, void* key_cache,

@@ -15,7 +15,7 @@
 //   a   = attention: decodes first, then prefill chunks over the paged cache (an int8 cache:
 //         k/v quantized into it, then one call for decodes and chunks, as kv_int8.py does)
 //   x   = a @ Wo^T;  h = rmsnorm(residual += x)
-//   x   = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
+//   x   = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T, or a mixture of experts' block (moe.cpp)
 // and at the end out = rmsnorm(residual += x) with the final norm.
 //
 // A pipeline stage runs its own range of layers (kvflow_llama_stage_forward): a stage after
@@ -30,25 +30,9 @@
 
 #include "common.h"
 #include "kernels.h"
-
-// The first failing kernel's code is the call's result.
-#define KVFLOW_TRY(call)               \
-    do {                               \
-        const int rc_ = (call);        \
-        if (rc_ != 0) return rc_;      \
-    } while (0)
+#include "stack_gemm.h"
 
 extern "C" {
-
-// A quantized linear layer's weight in tiles (kvflow_pack_quant_tiles, quant_gemm_bf16.cpp).
-struct KvflowQuantLinear {
-    int64_t bits;
-    const uint8_t* q;
-    const float* scales;
-    const float* offsets;  // may be null
-    int64_t group;
-    int64_t layout;  // kQuantPairs, kQuantAmxRows or kQuantAmxRowsHalf (quant_tiles.h)
-};
 
 // One layer's weights (packed by kvflow_pack_*_weight, in the stack's dtype, or quantized tiles
 // where the *_q entry is set: bf16 stacks only) and its KV cache; fixed after load.
@@ -68,6 +52,7 @@ struct KvflowLlamaLayer {
     const KvflowQuantLinear* down_q;
     uint16_t* key_scales;  // an int8 cache's float16 scales [num_blocks, block_size, num_kv_heads]; else null
     uint16_t* value_scales;
+    const KvflowMoe* moe;  // non-null: the MLP is this mixture of experts (moe.cpp), not gate_up/down
 };
 
 struct KvflowLlamaShape {
@@ -114,21 +99,7 @@ struct KvflowStep {
 
 namespace {
 
-inline int gemm(const uint16_t* x, int64_t m, int64_t k, const void* packed, const KvflowQuantLinear* quant,
-                int64_t n, const void* bias, uint16_t* y) {
-    if (quant != nullptr)
-        return kvflow_quant_gemm_bf16(1, x, m, k, k, static_cast<int>(quant->bits), static_cast<int>(quant->layout),
-                                      quant->q, quant->scales,
-                                      quant->offsets, quant->group, n, bias, y, n);
-    return kvflow_gemm_bf16(x, m, k, k, static_cast<const uint16_t*>(packed), n,
-                            static_cast<const uint16_t*>(bias), y, n);
-}
-
-inline int gemm(const float* x, int64_t m, int64_t k, const void* packed, const KvflowQuantLinear* quant, int64_t n,
-                const void* bias, float* y) {
-    if (quant != nullptr) return -2;  // quantized tiles take bf16 activations
-    return kvflow_gemm_f32(x, m, k, k, static_cast<const float*>(packed), n, static_cast<const float*>(bias), y, n);
-}
+using kvflow::stack_gemm;
 
 inline float add_rounded(float a, float b) { return a + b; }
 inline uint16_t add_rounded(uint16_t a, uint16_t b) {
@@ -147,8 +118,8 @@ int add_lora(const KvflowStep* step, int64_t l, int p, const T* in, int64_t k, T
         if (P.a == nullptr || G.num_rows == 0) continue;
         for (int64_t r = 0; r < G.num_rows; ++r)
             std::memcpy(xg + r * k, in + G.rows[r] * k, static_cast<size_t>(k) * sizeof(T));
-        KVFLOW_TRY(gemm(xg, G.num_rows, k, P.a, nullptr, P.rank, nullptr, t));
-        KVFLOW_TRY(gemm(t, G.num_rows, P.rank, P.b, nullptr, n, nullptr, d));
+        KVFLOW_TRY(stack_gemm(xg, G.num_rows, k, P.a, nullptr, P.rank, nullptr, t));
+        KVFLOW_TRY(stack_gemm(t, G.num_rows, P.rank, P.b, nullptr, n, nullptr, d));
         for (int64_t r = 0; r < G.num_rows; ++r) {
             T* dst = out + G.rows[r] * n;
             const T* src = d + r * n;
@@ -194,7 +165,7 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
         KVFLOW_TRY(sub == nullptr ? kvflow_add_rms_norm(dt, x, nullptr, L.input_norm, h, tokens, H, shape->eps)
                                   : kvflow_add_rms_norm(dt, const_cast<T*>(sub), x, L.input_norm, h, tokens, H,
                                                         shape->eps));  // sub is only read
-        KVFLOW_TRY(gemm(h, tokens, H, L.qkv, L.qkv_q, qkv_size, L.qkv_bias, wide));
+        KVFLOW_TRY(stack_gemm(h, tokens, H, L.qkv, L.qkv_q, qkv_size, L.qkv_bias, wide));
         KVFLOW_TRY(add_lora(step, l, 0, h, H, wide, qkv_size, xg, lt, ld));
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
@@ -223,13 +194,17 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
                     step->block_table_stride, step->query_start + nd, step->seq_lens + nd, attn, q_size, num_prefills,
                     shape->num_heads, shape->num_kv_heads, D, shape->block_size, shape->scale));
         }
-        KVFLOW_TRY(gemm(attn, tokens, q_size, L.o_proj, L.o_proj_q, H, nullptr, y));
+        KVFLOW_TRY(stack_gemm(attn, tokens, q_size, L.o_proj, L.o_proj_q, H, nullptr, y));
         KVFLOW_TRY(add_lora(step, l, 1, attn, q_size, y, H, xg, lt, ld));
         KVFLOW_TRY(kvflow_add_rms_norm(dt, y, x, L.post_norm, h, tokens, H, shape->eps));
-        KVFLOW_TRY(gemm(h, tokens, H, L.gate_up, L.gate_up_q, 2 * inter, nullptr, wide));
+        if (L.moe != nullptr) {
+            KVFLOW_TRY(kvflow_moe_forward(dt, L.moe, h, tokens, H, y));
+            continue;
+        }
+        KVFLOW_TRY(stack_gemm(h, tokens, H, L.gate_up, L.gate_up_q, 2 * inter, nullptr, wide));
         KVFLOW_TRY(add_lora(step, l, 2, h, H, wide, 2 * inter, xg, lt, ld));
         KVFLOW_TRY(kvflow_silu_and_mul(dt, wide, act, tokens, inter));
-        KVFLOW_TRY(gemm(act, tokens, inter, L.down, L.down_q, H, nullptr, y));
+        KVFLOW_TRY(stack_gemm(act, tokens, inter, L.down, L.down_q, H, nullptr, y));
         KVFLOW_TRY(add_lora(step, l, 3, act, inter, y, H, xg, lt, ld));
     }
     if (shape->final_norm == nullptr) {  // a stage before the last: hand on (y, residual) as they are

@@ -38,15 +38,13 @@ from torch import nn
 from kvflow.config import ModelConfig
 from kvflow.layers import cpu_kernels, kv_int8
 from kvflow.layers.attention import AttentionMetadata, CPUAttentionBackend
+from kvflow.layers.kernel_structs import MoE, QuantLinear, linear_pointers, runs_in_stack
 from kvflow.layers.mlp import GatedMLP
+from kvflow.layers.moe import SparseMoeBlock
 from kvflow.layers.norm import RMSNorm
 
 logger = logging.getLogger("kvflow")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class _QuantLinear(ctypes.Structure):  # KvflowQuantLinear
-    _fields_ = [("bits", _i64), ("q", _ptr), ("scales", _ptr), ("offsets", _ptr), ("group", _i64), ("layout", _i64)]
 
 
 _LINEARS = ("qkv", "o_proj", "gate_up", "down")
@@ -55,8 +53,8 @@ _LINEARS = ("qkv", "o_proj", "gate_up", "down")
 class _Layer(ctypes.Structure):  # KvflowLlamaLayer
     _fields_ = [*((name, _ptr) for name in (
         "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "key_cache", "value_cache")),
-        *((f"{name}_q", ctypes.POINTER(_QuantLinear)) for name in _LINEARS),
-        ("key_scales", _ptr), ("value_scales", _ptr)]
+        *((f"{name}_q", ctypes.POINTER(QuantLinear)) for name in _LINEARS),
+        ("key_scales", _ptr), ("value_scales", _ptr), ("moe", ctypes.POINTER(MoE))]
 
 
 class _Shape(ctypes.Structure):  # KvflowLlamaShape
@@ -140,29 +138,27 @@ class FusedLlamaStack:
             eps=model.layers[0].input_layernorm.eps, scale=attn.attn.scale, cos=rotary.cos_f32.data_ptr(),
             sin=rotary.sin_f32.data_ptr(), final_norm=final_norm.data_ptr() if final_norm is not None else None)
         self.layers = (_Layer * len(model.layers))()
-        self._quant: list[_QuantLinear] = []  # the structs the layers point at
         for entry, layer in zip(self.layers, model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            linears = dict(zip(_LINEARS, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+            linears = {"qkv": a.qkv_proj, "o_proj": a.o_proj}
+            if isinstance(mlp, SparseMoeBlock):
+                entry.moe = ctypes.pointer(mlp.kernel_record())  # the block holds what its record points at
+                self._keep.append(mlp)
+            else:
+                linears |= {"gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
             qkv_bias = a.qkv_proj.packed_bias
             if a.qkv_proj.quant_tiles is not None and a.qkv_proj.bias is not None:
                 qkv_bias = a.qkv_proj.bias.detach().to(self.dtype).contiguous()  # as the module's op rounds it
             tensors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": qkv_bias,
-                       "post_norm": layer.post_attention_layernorm.weight,
-                       **{name: m.packed_weight for name, m in linears.items()}}
+                       "post_norm": layer.post_attention_layernorm.weight}
             for name, t in tensors.items():
                 if t is not None:
                     setattr(entry, name, t.data_ptr())
                     self._keep.append(t)
             for name, m in linears.items():
-                tiles = m.quant_tiles
-                if tiles is not None:
-                    q = _QuantLinear(bits=tiles.bits, q=tiles.q.data_ptr(), scales=tiles.scales.data_ptr(),
-                                     offsets=None if tiles.offsets is None else tiles.offsets.data_ptr(),
-                                     group=tiles.group_size, layout=tiles.layout)
-                    self._quant.append(q)
-                    self._keep.append(tiles)
-                    setattr(entry, f"{name}_q", ctypes.pointer(q))
+                weight, quant = linear_pointers(m, self._keep)
+                setattr(entry, name, weight)
+                setattr(entry, f"{name}_q", quant)
         self._caches: list[torch.Tensor] = []
         self.steps_run = 0
         self.steps_declined = 0
@@ -186,19 +182,20 @@ class FusedLlamaStack:
         dtype = _stack_dtype(model)
         if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm(dtype):
             return None
-        if not all(isinstance(layer.mlp, GatedMLP) for layer in model.layers):
-            return None  # a mixture of experts: the C++ stack has no routing (layers/moe.py runs it)
+        mlps = [layer.mlp for layer in model.layers]
+        if not all(isinstance(m, GatedMLP) or (isinstance(m, SparseMoeBlock) and m.kernel_record() is not None)
+                   for m in mlps):
+            return None  # a mixture of experts whose weights its C++ block cannot read (layers/moe.py)
         attn = model.layers[0].self_attn
-        unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                                          layer.mlp.down_proj)]
+        unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, *(
+            (layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, GatedMLP) else ()))]
         linears = unbiased + [layer.self_attn.qkv_proj for layer in model.layers]
         norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         backends = [layer.self_attn.attn.backend for layer in model.layers]
         fits = (
             all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
             and attn.q_norm is None
-            and all((m.packing == "kvflow" and m.packed_weight.dtype == dtype)
-                    or (m.packing == "quantized-tiles" and dtype == torch.bfloat16) for m in linears)
+            and all(runs_in_stack(m, dtype) for m in linears)
             and all(m.bias is None for m in unbiased)
             and all(n.weight.dtype == dtype and n.weight.is_contiguous()
                     for n in [*norms, *([model.norm] if model.norm is not None else [])])

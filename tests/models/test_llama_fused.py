@@ -122,7 +122,9 @@ def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype:
 
 
 @DTYPES
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the QKV bias
+# qwen2: the QKV bias; mixtral, qwen2moe: mixtures of experts (csrc/moe.cpp), the latter with a
+# shared expert and a dense layer
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2moe"])
 def test_fused_stack_equals_modules_bitwise(arch, dtype, tiny_models):
     _assert_fused_equals_modules(tiny_models(arch)[0], STEPS, num_blocks=12, dtype=dtype)
 

@@ -43,26 +43,33 @@ def _ours_from_hf(hf_block, cfg: ModelConfig, dtype: torch.dtype) -> SparseMoeBl
     return block
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_block_matches_transformers_and_is_batch_invariant(arch, tiny_models):
+def test_block_matches_transformers_and_is_batch_invariant(arch, path, tiny_models):
+    """Both paths of the block: csrc/moe.cpp (packed weights) and its PyTorch ops (elsewhere)."""
     _, hf = tiny_models(arch)
     cfg = ModelConfig.from_hf_config(hf.config.to_dict())
     hf_block = hf.model.layers[0].mlp
     x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+
+    def run(block: SparseMoeBlock, rows: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return block(rows) if path == "kernel" else block.forward_torch(rows)
+
     ours = _ours_from_hf(hf_block, cfg, torch.float32)
+    assert path == "torch" or ours.kernel_record() is not None, "the block's weights were not bound for its kernel"
     with torch.no_grad():
         ref = hf_block(x.unsqueeze(0))[0]
-        got = ours(x)
         _, ref_experts = hf_block.gate(x)[1:]
     assert torch.equal(ours.route(x)[1], ref_experts), "the router picked other experts than transformers'"
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run(ours, x), ref, rtol=1e-5, atol=1e-6)
     for dtype in (torch.float32, torch.bfloat16):
         block = _ours_from_hf(hf_block, cfg, dtype)
         rows = x.to(dtype)
-        with torch.no_grad():
-            batched = block(rows)
-            alone = torch.cat([block(rows[i: i + 1]) for i in range(len(rows))])
+        batched = run(block, rows)
+        alone = torch.cat([run(block, rows[i: i + 1]) for i in range(len(rows))])
         assert torch.equal(batched, alone), f"{dtype}: a token's output changed with the batch around it"
+        torch.testing.assert_close(batched.float(), ref, rtol=0.05, atol=0.02)
 
 
 def test_parameter_count_matches_transformers(tiny_models):
@@ -159,6 +166,29 @@ def test_int8_quantizes_experts_but_not_routers(tiny_models):
     assert agree >= 0.8, f"int8 greedy tokens agree with float32 on only {agree:.0%}"
     alone = [_run(llm, [p])[0] for p in prompts[:4]]
     assert alone == quantized[:4], "int8: a token's bits changed with the batch around it"
+
+
+def test_int4_experts_run_in_the_kernel_and_fused_stack(tiny_models, monkeypatch):
+    """bf16 with int4 experts: their tiles go to csrc/moe.cpp (and the fused stack); a token's
+    bits do not depend on the batch, and its tokens are the PyTorch block's on the same weights
+    (the two differ only in the softmax's exp)."""
+    path, _ = tiny_models("mixtral")
+    prompts = _prompts()[:12]
+    llm = LLM(path, dtype="bfloat16", quantization="int4")
+    model = llm.engine.runner.model
+    block = model.layers[0].mlp
+    assert {e.down_proj.packing for e in block.experts} == {"quantized-tiles"}
+    assert block.kernel_record() is not None and model.fused_stack is not None
+    quantized = _run(llm, prompts)
+    assert model.fused_stack.steps_run > 0 and model.fused_stack.steps_declined == 0
+    alone = [_run(llm, [p])[0] for p in prompts[:4]]
+    assert alone == quantized[:4], "int4: a token's bits changed with the batch around it"
+    monkeypatch.setenv("KVFLOW_MOE_KERNEL", "0")
+    torch_path = LLM(path, dtype="bfloat16", quantization="int4")
+    assert torch_path.engine.runner.model.fused_stack is None
+    reference = _run(torch_path, prompts)
+    agree = np.mean([a == b for q, p in zip(quantized, reference) for a, b in zip(q[0], p[0])])
+    assert agree >= 0.9, f"the kernel's tokens agree with the PyTorch block's on only {agree:.0%}"
 
 
 # ---- refusals ----------------------------------------------------------------------------

@@ -125,7 +125,8 @@ class ModelConfig:
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             # Mixtral's experts are `intermediate_size` wide; the Qwen MoEs name theirs apart.
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "MixtralForCausalLM")),
+            # (Mixtral always renormalises, whatever its config says)
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
             moe_layers=_moe_layers(cfg, experts),
         )
@@ -159,9 +160,9 @@ class ModelConfig:
         attention = h * (q + 2 * kv) + q * h
         return sum(attention + self.mlp_linear_parameters(i, active) for i in range(self.num_hidden_layers))
 
-    def num_parameters(self) -> int:
-        """Parameter count from the shapes alone (for memory plans made without weights)."""
-        h, v = self.hidden_size, self.vocab_size
+    def num_decoder_parameters(self) -> int:
+        """Parameters of the decoder layers: projections (every expert's), routers, norms, biases."""
+        h = self.hidden_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         per_layer = 2 * h
@@ -170,8 +171,12 @@ class ModelConfig:
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         routers = len(self.moe_layers) * h * (self.num_experts + (1 if self.shared_expert_intermediate_size else 0))
-        embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_linear_parameters() + self.num_hidden_layers * per_layer + routers + embed + h
+        return self.num_linear_parameters() + self.num_hidden_layers * per_layer + routers
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (for memory plans made without weights)."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_decoder_parameters() + embed + self.hidden_size
 
 
 def _moe_layers(cfg: dict[str, Any], experts: int) -> list[int]:

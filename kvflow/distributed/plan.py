@@ -21,14 +21,8 @@ from kvflow.engine.memory_plan import KVCachePlan, _fmt_bytes, plan_kv_cache
 def rank_num_parameters(cfg: ModelConfig, parallel: ParallelConfig, rank: int) -> int:
     """Parameters rank `rank` holds: its layers' shards, plus the ends its stage keeps."""
     local = parallel.rank_model_config(cfg, rank)
-    h, i, d = local.hidden_size, local.intermediate_size, local.head_dim
-    q, kv = local.num_attention_heads * d, local.num_key_value_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    if local.attention_bias:
-        per_layer += q + 2 * kv
-    if local.qk_norm:
-        per_layer += 2 * d
-    total = local.num_hidden_layers * per_layer
+    h = local.hidden_size
+    total = local.num_decoder_parameters()
     first, last = parallel.is_first_stage(rank), parallel.is_last_stage(rank)
     vocab_rows = local.vocab_size * h
     if first or (last and cfg.tie_word_embeddings):

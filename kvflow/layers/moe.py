@@ -18,7 +18,8 @@ gathers the step's (token, expert) pairs grouped by expert once, runs each chose
 contiguous rows, weights all outputs in one op, and adds each token's outputs in expert order,
 as the reference does, with element-wise adds. In both, a token's result depends only on the
 token: the same alone, batched, chunked or recomputed after a preemption (the GEMMs are
-batch-invariant, the rest is per token); the two differ only in the softmax's exp. The expert
+batch-invariant, the rest is per token); the two differ in rounding only (the softmax's exp and
+sums, the sigmoid), so a deployment keeps to one of them. The expert
 set is read on the host, so a CUDA graph cannot capture this block (model_placement.py runs it
 eagerly).
 """
@@ -57,6 +58,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         self._record: MoE | None = None  # csrc/moe.cpp's view of the packed weights (kernel_record)
         self._record_tried = False
+        self.kernel_dtype: torch.dtype | None = None  # the activations' dtype kernel_record was built for
         self._keep: list = []
 
     def kernel_record(self) -> MoE | None:
@@ -72,8 +74,10 @@ class SparseMoeBlock(nn.Module):
         shared = self.shared_expert
         linears = [self.gate, *(m for pair in experts for m in pair), *(
             (shared.gate_up_proj, shared.down_proj, self.shared_expert_gate) if shared is not None else ())]
+        routers = [self.gate, *((self.shared_expert_gate,) if shared is not None else ())]
         if (kernels is None or os.environ.get("KVFLOW_MOE_KERNEL", "1") == "0" or not kernels.has_gemm(dtype)
-                or not all(runs_in_stack(m, dtype) for m in linears)):
+                or not all(runs_in_stack(m, dtype) for m in linears)
+                or not all(r.packing == "kvflow" for r in routers)):  # (C++ reads routers packed, never quantized)
             return None
         keep = self._keep
         keep.append(self.gate.packed_weight)
@@ -97,7 +101,7 @@ class SparseMoeBlock(nn.Module):
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(MoE), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        self._record, self._fn, self._dtype = record, fn, dtype
+        self._record, self._fn, self.kernel_dtype = record, fn, dtype
         return record
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +117,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        record = self.kernel_record()
-        if record is not None and x.dtype == self._dtype and x.dim() == 2 and x.is_contiguous() and x.is_cpu:
+        record = self.kernel_record() if x.is_cpu else None
+        if record is not None and x.dtype == self.kernel_dtype and x.dim() == 2 and x.is_contiguous():
             out = torch.empty_like(x)
             cpu_kernels.check_rc(self._fn(cpu_kernels.DTYPE_CODES[x.dtype], ctypes.byref(record), x.data_ptr(),
                                           x.shape[0], x.shape[1], out.data_ptr()), "moe_forward")

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 from typing import Callable, Iterator
 
 import torch
@@ -236,17 +237,27 @@ def _quantized_as_loaded(weights: Iterator[tuple[str, torch.Tensor | QuantizedWe
     independently, so q/k/v quantized apart and stacked equal the fused weight quantized whole."""
     for name, tensor in weights:
         head = name == "lm_head.weight"
-        if isinstance(tensor, torch.Tensor) and (name.endswith("_proj.weight") or (head and config.quantize_lm_head)):
+        if isinstance(tensor, torch.Tensor) and (_is_linear_weight(name) or (head and config.quantize_lm_head)):
             config.check_layer(name.removeprefix("model.").removesuffix(".weight"), tensor.shape[1])
             tensor = quantize(tensor, config.method, config.group_size)
             return_freed_heap()  # the float copy and the arithmetic's temporaries
         yield name, tensor
 
 
+# Linear weights by their checkpoint names: `*_proj.weight`, and Mixtral's experts' w1/w2/w3
+# (LlamaForCausalLM.load_weights renames those later; the routers, `*.gate.weight`, are not linears
+# that quantization touches).
+_LINEAR_WEIGHT = re.compile(r"(_proj|\.experts\.\d+\.w[123])\.weight$")
+
+
+def _is_linear_weight(hf_name: str) -> bool:
+    return _LINEAR_WEIGHT.search(hf_name) is not None
+
+
 def _runs_as_shipped(hf_name: str) -> bool:
-    """Linear weights (HF names end in `_proj.weight`) and the LM head (its own tensor, or the
-    embedding's when tied): as shipped, all of them. The embedding lookup reads a float table."""
-    return hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+    """Linear weights and the LM head (its own tensor, or the embedding's when tied): as shipped,
+    all of them. The embedding lookup reads a float table."""
+    return _is_linear_weight(hf_name) or hf_name == "lm_head.weight"
 
 
 @torch.no_grad()

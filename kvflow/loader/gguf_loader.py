@@ -384,7 +384,7 @@ def linear_weight_types(path: str) -> dict[str, int]:
     """How many 2-D weights (other than the embedding) the file stores in each type, e.g. {"Q4_1": 210}."""
     counts: dict[str, int] = {}
     for info in _header(path).tensors:
-        if len(info.shape) >= 2 and info.name != "token_embd.weight":  # (3-D: stacked experts)
+        if len(info.shape) >= 2 and info.name != "token_embd.weight":
             kind = GGMLQuantizationType(info.qtype).name
-            counts[kind] = counts.get(kind, 0) + 1
+            counts[kind] = counts.get(kind, 0) + (info.shape[0] if len(info.shape) == 3 else 1)  # 3-D: an expert each
     return counts

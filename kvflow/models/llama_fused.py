@@ -183,8 +183,8 @@ class FusedLlamaStack:
         if os.environ.get("KVFLOW_FUSED_STACK", "1") == "0" or kernels is None or not kernels.has_gemm(dtype):
             return None
         mlps = [layer.mlp for layer in model.layers]
-        if not all(isinstance(m, GatedMLP) or (isinstance(m, SparseMoeBlock) and m.kernel_record() is not None)
-                   for m in mlps):
+        if not all(isinstance(m, GatedMLP) or (isinstance(m, SparseMoeBlock) and m.kernel_record() is not None
+                                                and m.kernel_dtype == dtype) for m in mlps):
             return None  # a mixture of experts whose weights its C++ block cannot read (layers/moe.py)
         attn = model.layers[0].self_attn
         unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, *(

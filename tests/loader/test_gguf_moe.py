@@ -121,7 +121,7 @@ def test_quantized_experts_run_as_shipped(tiny_models, tmp_path):
     path, hf = tiny_models("mixtral")
     out = tmp_path / "mixtral-q8.gguf"
     write_moe_gguf(path, out, "mixtral", hf.config, expert_type=Q.Q8_0)
-    assert linear_weight_types(str(out))["Q8_0"] == 3 * hf.config.num_hidden_layers
+    assert linear_weight_types(str(out))["Q8_0"] == 3 * hf.config.num_hidden_layers * 8  # a weight per expert
     kwargs = dict(dtype="float32", kv_cache_memory=4 << 20, max_model_len=256)
     shipped = LLM(str(out), quantization="gguf", **kwargs)
     block = shipped.engine.runner.model.layers[0].mlp

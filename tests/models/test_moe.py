@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import ModelConfig
+from kvflow.distributed.config import ParallelConfig
+from kvflow.distributed.plan import rank_num_parameters
 from kvflow.layers.linear import Linear, pack_linear_weights
 from kvflow.layers.moe import SparseMoeBlock, vector_sigmoid
 from kvflow.models.llama import build_mlp
@@ -78,6 +80,9 @@ def test_parameter_count_matches_transformers(tiny_models):
         _, hf = tiny_models(arch)
         cfg = ModelConfig.from_hf_config(hf.config.to_dict())
         assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters()), arch
+    mixtral = ModelConfig.from_hf_config(tiny_models("mixtral")[1].config.to_dict())
+    stages = ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2)  # (a rank's plan: its layers' experts)
+    assert sum(rank_num_parameters(mixtral, stages, r) for r in range(2)) == mixtral.num_parameters()
     cfg = ModelConfig.from_hf_config(tiny_models("qwen2moe")[1].config.to_dict())
     assert cfg.moe_layers == [0]  # mlp_only_layers=[1]
     dense = 3 * cfg.hidden_size * cfg.intermediate_size
@@ -189,6 +194,20 @@ def test_int4_experts_run_in_the_kernel_and_fused_stack(tiny_models, monkeypatch
     reference = _run(torch_path, prompts)
     agree = np.mean([a == b for q, p in zip(quantized, reference) for a, b in zip(q[0], p[0])])
     assert agree >= 0.9, f"the kernel's tokens agree with the PyTorch block's on only {agree:.0%}"
+
+
+def test_mixtral_expert_names_count_as_linear_weights():
+    """int8/int4 quantize Mixtral's experts as they load (peak memory: one float tensor), and
+    GPTQ/compressed-tensors/GGUF experts run as shipped, though their names end in w1/w2/w3."""
+    from kvflow.loader import _quantized_as_loaded, _runs_as_shipped
+    from kvflow.quantization.config import QuantizationConfig
+    from kvflow.quantization.qweight import QuantizedWeight
+
+    expert, router = "model.layers.0.block_sparse_moe.experts.3.w2.weight", "model.layers.0.block_sparse_moe.gate.weight"
+    assert _runs_as_shipped(expert) and not _runs_as_shipped(router)
+    loaded = dict(_quantized_as_loaded(iter([(expert, torch.randn(64, 64)), (router, torch.randn(8, 64))]),
+                                       QuantizationConfig.parse("int8")))
+    assert isinstance(loaded[expert], QuantizedWeight) and isinstance(loaded[router], torch.Tensor)
 
 
 # ---- refusals ----------------------------------------------------------------------------

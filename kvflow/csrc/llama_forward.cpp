@@ -11,7 +11,8 @@
 //
 // Per layer, on the step's tokens (rows of the flat batch):
 //   h   = rmsnorm(residual += x)              (layer 0: residual = x, h = rmsnorm(x))
-//   qkv = h @ Wqkv^T (+ bias)                 q/k rotated in place, k/v written to the paged cache
+//   qkv = h @ Wqkv^T (+ bias)                 (Qwen3: each q/k head RMS-normed in place), q/k
+//                                             rotated in place, k/v written to the paged cache
 //   a   = attention: decodes first, then prefill chunks over the paged cache (an int8 cache:
 //         k/v quantized into it, then one call for decodes and chunks, as kv_int8.py does)
 //   x   = a @ Wo^T;  h = rmsnorm(residual += x)
@@ -53,6 +54,8 @@ struct KvflowLlamaLayer {
     uint16_t* key_scales;  // an int8 cache's float16 scales [num_blocks, block_size, num_kv_heads]; else null
     uint16_t* value_scales;
     const KvflowMoe* moe;  // non-null: the MLP is this mixture of experts (moe.cpp), not gate_up/down
+    const void* q_norm;    // non-null: Qwen3's RMSNorm of each query head (and k_norm of each key head)
+    const void* k_norm;
 };
 
 struct KvflowLlamaShape {
@@ -168,6 +171,17 @@ int forward(const KvflowLlamaShape* shape, const KvflowLlamaLayer* layers, const
         KVFLOW_TRY(stack_gemm(h, tokens, H, L.qkv, L.qkv_q, qkv_size, L.qkv_bias, wide));
         KVFLOW_TRY(add_lora(step, l, 0, h, H, wide, qkv_size, xg, lt, ld));
         T *q = wide, *k = wide + q_size, *v = k + kv_size;
+        if (L.q_norm != nullptr) {  // each (token, head) row normed in place, as LlamaAttention norms its rows
+            int rc = 0;
+#pragma omp parallel for if (tokens >= 64) reduction(| : rc)
+            for (int64_t t = 0; t < tokens; ++t) {
+                T* qt = q + t * qkv_size;
+                T* kt = k + t * qkv_size;
+                rc |= kvflow_add_rms_norm(dt, qt, nullptr, L.q_norm, qt, shape->num_heads, D, shape->eps);
+                rc |= kvflow_add_rms_norm(dt, kt, nullptr, L.k_norm, kt, shape->num_kv_heads, D, shape->eps);
+            }
+            if (rc != 0) return rc;
+        }
         KVFLOW_TRY(kvflow_rotary(dt, q, qkv_size, shape->num_heads, k, qkv_size, shape->num_kv_heads,
                                  step->positions, shape->cos, shape->sin, tokens, D, shape->max_position));
         if (shape->kv_int8 != 0) {

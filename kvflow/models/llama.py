@@ -54,7 +54,9 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # Each (token, head) row normed on its own; contiguous, so the CPU kernel takes them
+            # (csrc/llama_forward.cpp norms the same rows in place in the fused stack).
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -9,7 +9,7 @@ bit the modules' (tests/models/test_llama_fused.py compares them).
 
 It is built once after the weights are packed, and only where every op has its kernel:
 weights packed for kvflow's GEMM (bf16 or float32) or quantized weights in its tiles (bf16,
-`quantization/tiles.py`), no per-head q/k norm, the CPU attention
+`quantization/tiles.py`), the CPU attention
 backend with its kernels, and attention shapes the decode and prefill kernels take. KV caches
 in the model's dtype or int8 (`kv_cache_dtype="int8"`: the stack quantizes K/V into them and
 runs the int8 attention kernel, as `CPUAttentionBackend._forward_int8` does).
@@ -17,7 +17,8 @@ Anything else (other dtypes, other CPUs, KVFLOW_FUSED_STACK=0) keeps the module 
 does a step whose tensors don't fit (logged once): `steps_run` / `steps_declined` count both.
 
 The order of ops mirrors `LlamaDecoderLayer.forward`; `build` must refuse any model feature
-the C++ does not implement (it lists them: q/k norm, biases outside QKV).
+the C++ does not implement (it lists them: biases outside QKV, a mixture of experts whose
+weights csrc/moe.cpp cannot read).
 
 A pipeline stage's model holds a contiguous range of layers, without the embedding before the
 first stage or the final norm before the last (`distributed/worker.py` trims them):
@@ -54,7 +55,7 @@ class _Layer(ctypes.Structure):  # KvflowLlamaLayer
     _fields_ = [*((name, _ptr) for name in (
         "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down", "key_cache", "value_cache")),
         *((f"{name}_q", ctypes.POINTER(QuantLinear)) for name in _LINEARS),
-        ("key_scales", _ptr), ("value_scales", _ptr), ("moe", ctypes.POINTER(MoE))]
+        ("key_scales", _ptr), ("value_scales", _ptr), ("moe", ctypes.POINTER(MoE)), ("q_norm", _ptr), ("k_norm", _ptr)]
 
 
 class _Shape(ctypes.Structure):  # KvflowLlamaShape
@@ -150,7 +151,9 @@ class FusedLlamaStack:
             if a.qkv_proj.quant_tiles is not None and a.qkv_proj.bias is not None:
                 qkv_bias = a.qkv_proj.bias.detach().to(self.dtype).contiguous()  # as the module's op rounds it
             tensors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": qkv_bias,
-                       "post_norm": layer.post_attention_layernorm.weight}
+                       "post_norm": layer.post_attention_layernorm.weight,
+                       "q_norm": a.q_norm.weight if a.q_norm is not None else None,
+                       "k_norm": a.k_norm.weight if a.k_norm is not None else None}
             for name, t in tensors.items():
                 if t is not None:
                     setattr(entry, name, t.data_ptr())
@@ -190,11 +193,11 @@ class FusedLlamaStack:
         unbiased = [m for layer in model.layers for m in (layer.self_attn.o_proj, *(
             (layer.mlp.gate_up_proj, layer.mlp.down_proj) if isinstance(layer.mlp, GatedMLP) else ()))]
         linears = unbiased + [layer.self_attn.qkv_proj for layer in model.layers]
-        norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm, *(
+            (layer.self_attn.q_norm, layer.self_attn.k_norm) if layer.self_attn.q_norm is not None else ()))]
         backends = [layer.self_attn.attn.backend for layer in model.layers]
         fits = (
             all(isinstance(b, CPUAttentionBackend) and b.kernels is not None for b in backends)
-            and attn.q_norm is None
             and all(runs_in_stack(m, dtype) for m in linears)
             and all(m.bias is None for m in unbiased)
             and all(n.weight.dtype == dtype and n.weight.is_contiguous()

@@ -122,9 +122,9 @@ def _assert_fused_equals_modules(path: str, steps: list, num_blocks: int, dtype:
 
 
 @DTYPES
-# qwen2: the QKV bias; mixtral, qwen2moe: mixtures of experts (csrc/moe.cpp), the latter with a
-# shared expert and a dense layer
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "qwen2moe"])
+# qwen2: the QKV bias; qwen3: per-head q/k norms; mixtral, qwen2moe, qwen3moe: mixtures of experts
+# (csrc/moe.cpp), qwen2moe with a shared expert and a dense layer
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2moe", "qwen3moe"])
 def test_fused_stack_equals_modules_bitwise(arch, dtype, tiny_models):
     _assert_fused_equals_modules(tiny_models(arch)[0], STEPS, num_blocks=12, dtype=dtype)
 
@@ -157,9 +157,8 @@ def test_fused_stack_declines_a_step_it_cannot_take(tiny_models):
 
 
 def test_fused_stack_needs_every_kernel(tiny_models, monkeypatch):
-    """qk-norm (Qwen3), float16 (no kernels) and an attention backend without kernels keep the
-    module path; KVFLOW_FUSED_STACK=0 turns it off."""
-    assert _model(tiny_models("qwen3")[0])[1].fused_stack is None
+    """float16 (no kernels) and an attention backend without kernels keep the module path;
+    KVFLOW_FUSED_STACK=0 turns it off."""
     path = tiny_models("llama")[0]
     cfg = load_model_config(path)
     assert load_model(path, cfg, torch.float16, CPUAttentionBackend()).fused_stack is None

@@ -102,12 +102,14 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[tuple]:
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS, keep: int = PARAMS.max_tokens
+         ) -> list[tuple]:
+    """Each request's first `keep` tokens and their steps' logprobs, with the pool checked after."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.engine.check_integrity()
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks, "blocks were not all returned to the pool"
-    n = PARAMS.max_tokens
+    n = keep
     return [(tuple(o.outputs[0].token_ids[:n]), tuple(tuple(sorted(lp.items())) for lp in o.outputs[0].logprobs[:n]))
             for o in outs]
 
@@ -151,6 +153,20 @@ def test_parallel_layouts_match_transformers(arch, layout, tiny_models, monkeypa
     for prompt, out in zip(prompts, outs):
         assert_greedy_match(out.outputs[0].token_ids, *hf_greedy(hf, prompt, 8)[:2], label=f"len={len(prompt)}")
     llm.shutdown()
+
+
+def test_ngram_speculation_keeps_greedy_tokens(tiny_models):
+    """A verify step runs several tokens of a sequence through the experts at once."""
+    path, _ = tiny_models("qwen3moe")
+    rng = np.random.default_rng(13)
+    repetitive = [(rng.integers(3, 320, int(rng.integers(3, 8))).tolist() * 10)[:60] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+             "disable_by_batch_size": None}
+    plain = _run(LLM(path, dtype="float32"), repetitive, params, keep=24)
+    spec = LLM(path, dtype="float32", speculative_config=ngram)
+    assert _run(spec, repetitive, params, keep=24) == plain
+    assert spec.engine.speculator.stats.num_draft_tokens > 0, "nothing was speculated"
 
 
 # ---- weight quantization ---------------------------------------------------------------------

@@ -69,9 +69,18 @@ def run_plan(args: argparse.Namespace) -> int:
     if device_memory is not None:
         print(f"device: GPU with {device_memory[0] / (1 << 30):.2f} GiB free of {device_memory[1] / (1 << 30):.2f} GiB "
               f"(activations reserved: {activation_bytes / (1 << 30):.2f} GiB)")
-    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters)")
+    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters{_experts(cfg)})")
     print(plan.describe())
     return 0
+
+
+def _experts(cfg) -> str:
+    """A mixture of experts' shape and what a token reads of it (its decode cost), or ""."""
+    if not cfg.num_experts:
+        return ""
+    active = cfg.num_linear_parameters(active=True) + cfg.vocab_size * cfg.hidden_size
+    return (f"; {cfg.num_experts} experts, top {cfg.num_experts_per_tok}, in {len(cfg.moe_layers)} of "
+            f"{cfg.num_hidden_layers} layers: a token reads {active / 1e9:.2f} B")
 
 
 def _plan_ranks(args: argparse.Namespace, path: str, cfg, dtype, max_model_len: int, quantization) -> int:
@@ -85,7 +94,7 @@ def _plan_ranks(args: argparse.Namespace, path: str, cfg, dtype, max_model_len: 
                        quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
     memory = (f"{args.device_memory / (1 << 30):.0f} GiB per device x {args.memory_utilization or 0.9}"
               if args.device_memory is not None else "kv-cache-memory per rank")
-    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters, "
+    print(f"model: {path} ({cfg.architecture}, {cfg.num_parameters() / 1e9:.2f} B parameters{_experts(cfg)}, "
           f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, {cfg.num_hidden_layers} layers)")
     print(f"layout: {parallel.world_size} ranks = tensor_parallel_size {parallel.tensor_parallel_size} x "
           f"pipeline_parallel_size {parallel.pipeline_parallel_size}; {memory}; dtype "

@@ -58,6 +58,25 @@ def test_plan_llama3_8b_without_weights(llama3_config, capsys, as_dir):
     assert "8,192 tokens" in out and "bfloat16" in out
 
 
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json, the keys kvflow reads
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48, "head_dim": 128,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_plan_a_mixture_of_experts_without_weights(tmp_path, capsys):
+    """Qwen3-30B-A3B: every expert's weights are held (30.5 B), a token reads its top 8 (3.0 B
+    with the LM head; the model card's 3.3 B "activated" also counts the embedding table)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert cli.main(["plan", "--model", str(tmp_path), "--kv-cache-memory", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "30.53 B parameters; 128 experts, top 8, in 48 of 48 layers: a token reads 3.03 B" in out
+    assert "98,304 B" in out  # 48 layers x (K, V) x 4 KV heads x 128 x 2 bytes
+
+
 def test_plan_options_and_errors(llama3_config, capsys):
     assert cli.main(["plan", "--model", str(llama3_config), "--dtype", "float32", "--block-size", "32",
                      "--max-model-len", "4096", "--kv-cache-memory", "1GiB"]) == 0

@@ -143,6 +143,17 @@ def test_fused_stack_with_an_int8_kv_cache_equals_modules_bitwise(head_dim_64_ll
     _assert_fused_equals_modules(tiny_models("llama")[0], STEPS, num_blocks=12, dtype=dtype, kv_cache_dtype="int8")
 
 
+@DTYPES
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_fused_qk_norms_over_many_sequences_equal_modules_bitwise(arch, kv_cache_dtype, dtype, tiny_models):
+    """Per-head q/k norms on a first step of well over 64 tokens (the norm loop's threaded
+    branch), then decodes and chunks, with either KV cache."""
+    assert sum(new for _, _, new in _many_sequence_steps()[0][0]) >= 64
+    _assert_fused_equals_modules(tiny_models(arch)[0], _many_sequence_steps(), num_blocks=60, dtype=dtype,
+                                 kv_cache_dtype=kv_cache_dtype)
+
+
 def test_fused_stack_declines_a_step_it_cannot_take(tiny_models):
     """Metadata that disagrees with the batch runs on the modules (counted), never in C++."""
     path, _ = tiny_models("llama")

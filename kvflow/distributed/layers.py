@@ -28,12 +28,10 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.config import ParallelConfig
 from kvflow.distributed.parallel_state import ParallelState
 from kvflow.layers.moe import SparseMoeBlock
+from kvflow.models.llama import family_name
 from kvflow.quantization.qweight import QuantizedWeight
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
-# MLP and expert projections by their checkpoint names (Mixtral's experts: w1 gate, w3 up, w2 down)
-_GATE_UP = re.compile(r"\.(gate_proj|up_proj)\.|\.experts\.\d+\.(w1|w3)\.")
-_DOWN = re.compile(r"\.down_proj\.|\.experts\.\d+\.w2\.")
 Weight = torch.Tensor | QuantizedWeight
 
 
@@ -46,7 +44,7 @@ def shard_weights(weights: Iterable[tuple[str, Weight]], cfg: ModelConfig, paral
     first, last = parallel.is_first_stage(rank), parallel.is_last_stage(rank)
     t = parallel.tensor_parallel_size
     for hf_name, tensor in weights:
-        name = hf_name.removeprefix("model.")
+        name = family_name(hf_name).removeprefix("model.")  # (Mixtral's experts as gate/up/down_proj)
         match = _LAYER.match(name)
         if match is not None:
             index = int(match.group(1))
@@ -89,10 +87,10 @@ def _slice(name: str, tensor: torch.Tensor, cfg: ModelConfig, parallel: Parallel
     if ".o_proj." in name:
         heads = cfg.num_attention_heads // t
         return tensor.narrow(1, tp_rank * heads * d, heads * d)
-    if _GATE_UP.search(name):
+    if ".gate_proj." in name or ".up_proj." in name:
         size = _mlp_width(name, cfg) // t
         return tensor.narrow(0, tp_rank * size, size)
-    if _DOWN.search(name):
+    if ".down_proj." in name:
         size = _mlp_width(name, cfg) // t
         return tensor.narrow(1, tp_rank * size, size)
     if name.startswith(("embed_tokens.", "lm_head.")):

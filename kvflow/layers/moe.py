@@ -72,15 +72,14 @@ class SparseMoeBlock(nn.Module):
         dtype = self.gate.weight.dtype
         experts = [(e.gate_up_proj, e.down_proj) for e in self.experts]
         shared = self.shared_expert
-        linears = [self.gate, *(m for pair in experts for m in pair), *(
-            (shared.gate_up_proj, shared.down_proj, self.shared_expert_gate) if shared is not None else ())]
+        linears = [*(m for pair in experts for m in pair), *(
+            (shared.gate_up_proj, shared.down_proj) if shared is not None else ())]
         routers = [self.gate, *((self.shared_expert_gate,) if shared is not None else ())]
         if (kernels is None or os.environ.get("KVFLOW_MOE_KERNEL", "1") == "0" or not kernels.has_gemm(dtype)
-                or not all(runs_in_stack(m, dtype) for m in linears)
-                or not all(r.packing == "kvflow" for r in routers)):  # (C++ reads routers packed, never quantized)
+                or not all(runs_in_stack(m, dtype) for m in linears)  # experts: packed, or quantized tiles
+                or not all(r.packing == "kvflow" and r.packed_weight.dtype == dtype for r in routers)):
             return None
         keep = self._keep
-        keep.append(self.gate.packed_weight)
         gate_up = [linear_pointers(g, keep) for g, _ in experts]
         down = [linear_pointers(d, keep) for _, d in experts]
         pointers = ctypes.c_void_p * len(experts)
@@ -90,7 +89,7 @@ class SparseMoeBlock(nn.Module):
         keep += arrays
         record = MoE(num_experts=self.num_experts, top_k=self.top_k, intermediate=self.experts[0].intermediate_size,
                      norm_topk_prob=int(self.norm_topk_prob), round_weights=int(self.round_weights),
-                     router=self.gate.packed_weight.data_ptr(), gate_up=arrays[0], down=arrays[1],
+                     router=linear_pointers(self.gate, keep)[0], gate_up=arrays[0], down=arrays[1],
                      gate_up_q=arrays[2], down_q=arrays[3])
         if shared is not None:
             record.shared_intermediate = shared.intermediate_size

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 from typing import Callable, Iterator
 
 import torch
@@ -22,6 +21,7 @@ from kvflow.config import ModelConfig
 from kvflow.layers.attention import AttentionBackend
 from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
+from kvflow.models.llama import family_name
 from kvflow.layers.memory import return_freed_heap
 from kvflow.quantization.apply import quantizable_linears, quantize_model
 from kvflow.quantization.methods import quantize
@@ -244,14 +244,10 @@ def _quantized_as_loaded(weights: Iterator[tuple[str, torch.Tensor | QuantizedWe
         yield name, tensor
 
 
-# Linear weights by their checkpoint names: `*_proj.weight`, and Mixtral's experts' w1/w2/w3
-# (LlamaForCausalLM.load_weights renames those later; the routers, `*.gate.weight`, are not linears
-# that quantization touches).
-_LINEAR_WEIGHT = re.compile(r"(_proj|\.experts\.\d+\.w[123])\.weight$")
-
-
 def _is_linear_weight(hf_name: str) -> bool:
-    return _LINEAR_WEIGHT.search(hf_name) is not None
+    """A projection's weight (`*_proj.weight` as the family spells it: Mixtral's experts' w1/w2/w3
+    too); the routers, `*.gate.weight`, are not linears that quantization touches."""
+    return family_name(hf_name).endswith("_proj.weight")
 
 
 def _runs_as_shipped(hf_name: str) -> bool:

@@ -62,6 +62,22 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+# Mixtral's names for its MoE tensors -> the names the rest of the family uses
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def family_name(hf_name: str) -> str:
+    """A checkpoint tensor's name as this family spells it: Mixtral's
+    `block_sparse_moe.experts.N.w1/w3/w2` become `mlp.experts.N.gate_proj/up_proj/down_proj` (and its
+    router `mlp.gate`); every other name is already so. The loader's quantization checks and the
+    tensor-parallel slicing read names through this too, so they know one spelling."""
+    if ".block_sparse_moe." not in hf_name:
+        return hf_name
+    for mixtral, ours in _MIXTRAL_NAMES.items():
+        hf_name = hf_name.replace(mixtral, ours)
+    return hf_name
+
+
 def build_mlp(cfg: ModelConfig, layer_index: int) -> nn.Module:
     """Layer `layer_index`'s MLP: a sparse mixture of experts where the config routes that layer,
     else one gated MLP."""
@@ -105,8 +121,6 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # Mixtral's names for the same tensors -> the Qwen/Llama names the model uses
-    _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -166,12 +180,9 @@ class LlamaForCausalLM(nn.Module):
         seen: dict[str, int] = {}
         quantized: dict[str, dict[int, QuantizedWeight]] = {}
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            name = family_name(hf_name).removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if ".block_sparse_moe." in name:
-                for mixtral, ours in self._MIXTRAL_NAMES.items():
-                    name = name.replace(mixtral, ours)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 if isinstance(tensor, QuantizedWeight):  # the embedding's own quantized blocks
                     quantized[name] = {0: tensor}

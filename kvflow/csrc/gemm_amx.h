@@ -60,6 +60,10 @@ inline bool amx_permitted() {
 // order.
 inline void tile_operands_stored() { __asm__ __volatile__("" ::: "memory"); }
 
+// Its _tile_stored does not say it writes memory either: after tile stores, before plain loads
+// of what they wrote, this keeps the loads after them.
+inline void tile_results_stored() { __asm__ __volatile__("" ::: "memory"); }
+
 // Whether bf16 GEMMs, plain and quantized, run on the tiles: kvflow_set_amx (gemm.cpp) sets it.
 inline bool& amx_enabled() {
     static bool on = false;
@@ -67,15 +71,23 @@ inline bool& amx_enabled() {
 }
 
 // LDTILECFG, palette 1: tile t holds rows[t] rows of colsb[t] bytes.
+//
+// Not GCC's _tile_loadconfig: up to GCC 13 its asm names only the first 8 bytes of the config as
+// read, so the optimiser may drop the stores of `colsb` and `rows` as dead (GCC 12 did, once
+// this function's callers passed constants: the instruction then read stale stack bytes and
+// faulted). Here the asm's operand is the whole 64-byte block.
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
 inline void load_tile_shapes(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
-    struct alignas(64) {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config{};
+    TileConfig config{};
     config.palette = 1;
     for (int t = 0; t < 8; ++t) config.rows[t] = rows[t], config.colsb[t] = colsb[t];
-    _tile_loadconfig(&config);
+    __asm__ __volatile__("ldtilecfg %0" ::"m"(config));
 }
 
 // Tiles 0-3: float32 sums (row tile i, column tile j at 2i + j); 4-5: x; 6-7: W. Rows of 64
@@ -124,6 +136,7 @@ inline void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, 
     if constexpr (NT == 2) _tile_stored(1, sums[1], 64);
     if constexpr (MT == 2) _tile_stored(2, sums[2], 64);
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, sums[3], 64);
+    tile_results_stored();
 }
 
 // The rows of x as A tiles: fewer than 16 rows are one tile of that many rows (tile_rows);

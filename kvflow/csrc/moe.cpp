@@ -18,13 +18,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <new>
 #include <utility>
 
 #include "common.h"
 #include "kernels.h"
 #include "stack_gemm.h"
+#include "vec_dtype.h"
 
 extern "C" {
 
@@ -50,11 +49,31 @@ struct KvflowMoe {
 
 namespace {
 
-template <typename T>
-T* alloc(std::unique_ptr<T[]>& holder, int64_t n) {
-    holder.reset(new (std::nothrow) T[static_cast<size_t>(n > 0 ? n : 1)]);
-    return holder.get();
-}
+// A step's buffers, carved one after another out of a per-thread block kept between calls
+// (common.h's scratch_floats). A prefill chunk's expert rows are tens of MB: allocated afresh on
+// every call, the kernel page-faulted and zeroed them each time (clear_page alone was ~5 % of a
+// 2,048-token block on an AMX machine).
+class StepArena {
+public:
+    // Room for `bytes` (the sum of piece() over every take) on this thread.
+    explicit StepArena(size_t bytes) : base_(reinterpret_cast<char*>(kvflow::scratch_floats<8>(static_cast<int64_t>(bytes / 4)))),
+                                        size_(base_ ? bytes : 0) {}
+    template <typename T>
+    static size_t piece(int64_t n) { return (static_cast<size_t>(n > 0 ? n : 1) * sizeof(T) + 63) / 64 * 64; }
+    // n values of T, 64-byte aligned; null out of memory or past the block.
+    template <typename T>
+    T* take(int64_t n) {
+        const size_t bytes = piece<T>(n);
+        if (base_ == nullptr || used_ + bytes > size_) return nullptr;
+        T* p = reinterpret_cast<T*>(base_ + used_);
+        used_ += bytes;
+        return p;
+    }
+
+private:
+    char* base_;
+    size_t size_, used_ = 0;
+};
 
 const KvflowQuantLinear* quant_of(const KvflowQuantLinear* const* array, int64_t e) {
     return array == nullptr ? nullptr : array[e];
@@ -95,27 +114,80 @@ void route(const KvflowMoe* m, const typename D::T* logits, float* probs, int64_
         }
 }
 
+// out[c] = round(... round(round(y_0[c] * w_0) + round(y_1[c] * w_1)) ...), the experts' rows y_j
+// = ys + slot[j] * H in the order given: each product and each partial sum rounded to the dtype,
+// as the module path's `acc = acc + y * w` does in bf16. 16 (or 8) columns at a time, the same bits.
+template <typename D>
+void weighted_sum(const typename D::T* ys, const int64_t* slot, const float* w, int64_t K, int64_t H,
+                  typename D::T* out) {
+    int64_t c = 0;
+#if defined(KVFLOW_AVX512F)
+    for (; c + 16 <= H; c += 16) {
+        __m512 acc = kvflow::round16<D>(_mm512_mul_ps(kvflow::load16(ys + slot[0] * H + c), _mm512_set1_ps(w[0])));
+        for (int64_t j = 1; j < K; ++j)
+            acc = kvflow::round16<D>(_mm512_add_ps(
+                acc, kvflow::round16<D>(_mm512_mul_ps(kvflow::load16(ys + slot[j] * H + c), _mm512_set1_ps(w[j])))));
+        kvflow::store16<D>(out + c, acc);
+    }
+#elif defined(KVFLOW_REF_AVX2)
+    for (; c + 8 <= H; c += 8) {
+        __m256 acc = kvflow::round8<D>(_mm256_mul_ps(kvflow::load8(ys + slot[0] * H + c), _mm256_set1_ps(w[0])));
+        for (int64_t j = 1; j < K; ++j)
+            acc = kvflow::round8<D>(_mm256_add_ps(
+                acc, kvflow::round8<D>(_mm256_mul_ps(kvflow::load8(ys + slot[j] * H + c), _mm256_set1_ps(w[j])))));
+        kvflow::store8<D>(out + c, acc);
+    }
+#endif
+    for (; c < H; ++c) {
+        float acc = D::round(D::load(ys[slot[0] * H + c]) * w[0]);
+        for (int64_t j = 1; j < K; ++j) acc = D::round(acc + D::round(D::load(ys[slot[j] * H + c]) * w[j]));
+        out[c] = D::store(acc);
+    }
+}
+
+// out[c] = round(out[c] + round(g * y[c])): the shared expert's gated output, added last.
+template <typename D>
+void add_gated(const typename D::T* y, float g, int64_t H, typename D::T* out) {
+    int64_t c = 0;
+#if defined(KVFLOW_AVX512F)
+    for (; c + 16 <= H; c += 16)
+        kvflow::store16<D>(out + c, _mm512_add_ps(kvflow::load16(out + c),
+                                                  kvflow::round16<D>(_mm512_mul_ps(_mm512_set1_ps(g), kvflow::load16(y + c)))));
+#elif defined(KVFLOW_REF_AVX2)
+    for (; c + 8 <= H; c += 8)
+        kvflow::store8<D>(out + c, _mm256_add_ps(kvflow::load8(out + c),
+                                                 kvflow::round8<D>(_mm256_mul_ps(_mm256_set1_ps(g), kvflow::load8(y + c)))));
+#endif
+    for (; c < H; ++c) out[c] = D::store(D::round(D::load(out[c]) + D::round(g * D::load(y[c]))));
+}
+
 template <typename D>
 int moe_forward(const KvflowMoe* m, const typename D::T* x, int64_t tokens, int64_t H, typename D::T* out, int dt) {
     using T = typename D::T;
     const int64_t E = m->num_experts, K = m->top_k, I = m->intermediate, P = tokens * K;
     if (tokens <= 0) return 0;
     if (E <= 0 || K <= 0 || K > E || I <= 0) return -1;
-    std::unique_ptr<T[]> logits_h, rows_h, wide_h, act_h, ys_h;
-    std::unique_ptr<float[]> probs_h, weights_h;
-    std::unique_ptr<int64_t[]> ids_h, start_h, order_h, slot_h;
-    T* logits = alloc(logits_h, tokens * E);
-    float* probs = alloc(probs_h, tokens * E);
-    float* weights = alloc(weights_h, P);
-    int64_t* ids = alloc(ids_h, P);
-    int64_t* start = alloc(start_h, E + 1);
-    int64_t* order = alloc(order_h, P);  // the pairs (t * K + j) grouped by expert, tokens in order
-    int64_t* slot = alloc(slot_h, P);    // where each pair's row sits in `order`
-    T* rows = alloc(rows_h, P * H);
-    T* wide = alloc(wide_h, P * 2 * I);
-    T* act = alloc(act_h, P * I);
-    T* ys = alloc(ys_h, P * H);
-    if (!logits || !probs || !weights || !ids || !start || !order || !slot || !rows || !wide || !act || !ys)
+    const int64_t S = m->shared_intermediate > 0 ? m->shared_intermediate : 0;
+    using A = StepArena;
+    A arena(A::piece<T>(tokens * E) + A::piece<float>(tokens * E) + A::piece<float>(P) + 3 * A::piece<int64_t>(P) +
+            A::piece<int64_t>(E + 1) + A::piece<int64_t>(E) + 2 * A::piece<T>(P * H) + A::piece<T>(P * 2 * I) +
+            A::piece<T>(P * I) + A::piece<T>(tokens * 2 * S) + A::piece<T>(tokens * S));
+    T* logits = arena.take<T>(tokens * E);
+    float* probs = arena.take<float>(tokens * E);
+    float* weights = arena.take<float>(P);
+    int64_t* ids = arena.take<int64_t>(P);
+    int64_t* start = arena.take<int64_t>(E + 1);
+    int64_t* next = arena.take<int64_t>(E);
+    int64_t* order = arena.take<int64_t>(P);  // the pairs (t * K + j) grouped by expert, tokens in order
+    int64_t* slot = arena.take<int64_t>(P);   // where each pair's row sits in `order`
+    T* rows = arena.take<T>(P * H);
+    T* wide = arena.take<T>(P * 2 * I);
+    T* act = arena.take<T>(P * I);
+    T* ys = arena.take<T>(P * H);
+    T* swide = arena.take<T>(tokens * 2 * S);
+    T* sact = arena.take<T>(tokens * S);
+    if (!logits || !probs || !weights || !ids || !start || !next || !order || !slot || !rows || !wide || !act || !ys ||
+        !swide || !sact)
         return -4;  // no exception may cross into ctypes
 
     KVFLOW_TRY(kvflow::stack_gemm(x, tokens, H, m->router, nullptr, E, nullptr, logits));
@@ -125,15 +197,10 @@ int moe_forward(const KvflowMoe* m, const typename D::T* x, int64_t tokens, int6
     for (int64_t e = 0; e <= E; ++e) start[e] = 0;  // a stable counting sort of the pairs by expert
     for (int64_t p = 0; p < P; ++p) ++start[ids[p] + 1];
     for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    {
-        std::unique_ptr<int64_t[]> next_h;
-        int64_t* next = alloc(next_h, E);
-        if (!next) return -4;
-        std::memcpy(next, start, static_cast<size_t>(E) * sizeof(int64_t));
-        for (int64_t p = 0; p < P; ++p) {
-            slot[p] = next[ids[p]]++;
-            order[slot[p]] = p;
-        }
+    std::memcpy(next, start, static_cast<size_t>(E) * sizeof(int64_t));
+    for (int64_t p = 0; p < P; ++p) {
+        slot[p] = next[ids[p]]++;
+        order[slot[p]] = p;
     }
 #pragma omp parallel for if (P * H >= (1 << 16))
     for (int64_t i = 0; i < P; ++i)
@@ -148,37 +215,18 @@ int moe_forward(const KvflowMoe* m, const typename D::T* x, int64_t tokens, int6
                                       ys + off * H));
     }
 #pragma omp parallel for if (tokens * H >= (1 << 16))
-    for (int64_t t = 0; t < tokens; ++t) {
-        const T* y0 = ys + slot[t * K] * H;
-        const float w0 = weights[t * K];
-        T* o = out + t * H;
-        for (int64_t c = 0; c < H; ++c) {
-            float acc = D::round(D::load(y0[c]) * w0);
-            for (int64_t j = 1; j < K; ++j)
-                acc = D::round(acc + D::round(D::load(ys[slot[t * K + j] * H + c]) * weights[t * K + j]));
-            o[c] = D::store(acc);
-        }
-    }
-    const int64_t S = m->shared_intermediate;
-    if (S <= 0) return 0;
+    for (int64_t t = 0; t < tokens; ++t) weighted_sum<D>(ys, slot + t * K, weights + t * K, K, H, out + t * H);
+    if (S == 0) return 0;
     // The shared expert on every row, gated by sigmoid(x @ Wsg^T) and added last (reusing the
     // expert buffers: P >= tokens rows of each).
     T* gate = logits;  // [tokens, 1]
     KVFLOW_TRY(kvflow::stack_gemm(x, tokens, H, m->shared_gate, nullptr, 1, nullptr, gate));
-    std::unique_ptr<T[]> swide_h, sact_h;
-    T* swide = alloc(swide_h, tokens * 2 * S);
-    T* sact = alloc(sact_h, tokens * S);
-    if (!swide || !sact) return -4;
     KVFLOW_TRY(kvflow::stack_gemm(x, tokens, H, m->shared_gate_up, m->shared_gate_up_q, 2 * S, nullptr, swide));
     KVFLOW_TRY(kvflow_silu_and_mul(dt, swide, sact, tokens, S));
     KVFLOW_TRY(kvflow::stack_gemm(sact, tokens, S, m->shared_down, m->shared_down_q, H, nullptr, ys));
 #pragma omp parallel for if (tokens * H >= (1 << 16))
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float g = D::round(1.f / (1.f + std::exp(-D::load(gate[t]))));
-        T* o = out + t * H;
-        for (int64_t c = 0; c < H; ++c)
-            o[c] = D::store(D::round(D::load(o[c]) + D::round(g * D::load(ys[t * H + c]))));
-    }
+    for (int64_t t = 0; t < tokens; ++t)
+        add_gated<D>(ys + t * H, D::round(1.f / (1.f + std::exp(-D::load(gate[t])))), H, out + t * H);
     return 0;
 }
 

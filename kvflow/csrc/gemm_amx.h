@@ -60,10 +60,6 @@ inline bool amx_permitted() {
 // order.
 inline void tile_operands_stored() { __asm__ __volatile__("" ::: "memory"); }
 
-// Its _tile_stored does not say it writes memory either: after tile stores, before plain loads
-// of what they wrote, this keeps the loads after them.
-inline void tile_results_stored() { __asm__ __volatile__("" ::: "memory"); }
-
 // Whether bf16 GEMMs, plain and quantized, run on the tiles: kvflow_set_amx (gemm.cpp) sets it.
 inline bool& amx_enabled() {
     static bool on = false;
@@ -136,7 +132,6 @@ inline void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, 
     if constexpr (NT == 2) _tile_stored(1, sums[1], 64);
     if constexpr (MT == 2) _tile_stored(2, sums[2], 64);
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, sums[3], 64);
-    tile_results_stored();
 }
 
 // The rows of x as A tiles: fewer than 16 rows are one tile of that many rows (tile_rows);

@@ -17,7 +17,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "common.h"
@@ -49,15 +51,26 @@ struct KvflowMoe {
 
 namespace {
 
-// A step's buffers, carved one after another out of a per-thread block kept between calls
-// (common.h's scratch_floats). A prefill chunk's expert rows are tens of MB: allocated afresh on
-// every call, the kernel page-faulted and zeroed them each time (clear_page alone was ~5 % of a
-// 2,048-token block on an AMX machine).
+// A step's buffers, carved one after another out of one block. A prefill chunk's expert rows are
+// tens of MB: allocated afresh on every call, the kernel page-faulted and zeroed them each time
+// (clear_page alone was ~5 % of a 2,048-token block on an AMX machine). So up to kKeptBytes the
+// block is a per-thread one kept between calls (common.h's scratch_floats, slot 8: no other
+// kernel uses it); larger steps (big models' prefill chunks) allocate theirs for the call only,
+// so no thread holds hundreds of MB after its largest step.
 class StepArena {
 public:
-    // Room for `bytes` (the sum of piece() over every take) on this thread.
-    explicit StepArena(size_t bytes) : base_(reinterpret_cast<char*>(kvflow::scratch_floats<8>(static_cast<int64_t>(bytes / 4)))),
-                                        size_(base_ ? bytes : 0) {}
+    static constexpr size_t kKeptBytes = size_t{64} << 20;
+
+    // Room for `bytes` (the sum of piece() over every take).
+    explicit StepArena(size_t bytes) {
+        if (bytes <= kKeptBytes) {
+            base_ = reinterpret_cast<char*>(kvflow::scratch_floats<8>(static_cast<int64_t>(bytes / 4)));
+        } else {
+            owned_.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));  // a multiple of 64
+            base_ = owned_.get();
+        }
+        size_ = base_ != nullptr ? bytes : 0;
+    }
     template <typename T>
     static size_t piece(int64_t n) { return (static_cast<size_t>(n > 0 ? n : 1) * sizeof(T) + 63) / 64 * 64; }
     // n values of T, 64-byte aligned; null out of memory or past the block.
@@ -71,8 +84,12 @@ public:
     }
 
 private:
-    char* base_;
-    size_t size_, used_ = 0;
+    struct Free {
+        void operator()(char* p) const { std::free(p); }
+    };
+    std::unique_ptr<char, Free> owned_;
+    char* base_ = nullptr;
+    size_t size_ = 0, used_ = 0;
 };
 
 const KvflowQuantLinear* quant_of(const KvflowQuantLinear* const* array, int64_t e) {
@@ -114,9 +131,21 @@ void route(const KvflowMoe* m, const typename D::T* logits, float* probs, int64_
         }
 }
 
+// A product kept as its own rounded float32 value. In float32, where the dtype's round does
+// nothing, GCC would otherwise contract `acc + y * w` into one FMA (-ffp-contract=fast is its
+// C++ default), on some columns and not others: the reference multiplies, then adds.
+// (The SIMDe build emulates the vectors as structs and is compiled with -ffp-contract=off.)
+template <typename V>
+inline V unfused(V product) {
+#if !defined(KVFLOW_SIMDE)
+    __asm__("" : "+x"(product));
+#endif
+    return product;
+}
+
 // out[c] = round(... round(round(y_0[c] * w_0) + round(y_1[c] * w_1)) ...), the experts' rows y_j
 // = ys + slot[j] * H in the order given: each product and each partial sum rounded to the dtype,
-// as the module path's `acc = acc + y * w` does in bf16. 16 (or 8) columns at a time, the same bits.
+// as the module path's `acc = acc + y * w` does. 16 (or 8) columns at a time, the same bits.
 template <typename D>
 void weighted_sum(const typename D::T* ys, const int64_t* slot, const float* w, int64_t K, int64_t H,
                   typename D::T* out) {
@@ -126,7 +155,7 @@ void weighted_sum(const typename D::T* ys, const int64_t* slot, const float* w, 
         __m512 acc = kvflow::round16<D>(_mm512_mul_ps(kvflow::load16(ys + slot[0] * H + c), _mm512_set1_ps(w[0])));
         for (int64_t j = 1; j < K; ++j)
             acc = kvflow::round16<D>(_mm512_add_ps(
-                acc, kvflow::round16<D>(_mm512_mul_ps(kvflow::load16(ys + slot[j] * H + c), _mm512_set1_ps(w[j])))));
+                acc, kvflow::round16<D>(unfused(_mm512_mul_ps(kvflow::load16(ys + slot[j] * H + c), _mm512_set1_ps(w[j]))))));
         kvflow::store16<D>(out + c, acc);
     }
 #elif defined(KVFLOW_REF_AVX2)
@@ -134,13 +163,13 @@ void weighted_sum(const typename D::T* ys, const int64_t* slot, const float* w, 
         __m256 acc = kvflow::round8<D>(_mm256_mul_ps(kvflow::load8(ys + slot[0] * H + c), _mm256_set1_ps(w[0])));
         for (int64_t j = 1; j < K; ++j)
             acc = kvflow::round8<D>(_mm256_add_ps(
-                acc, kvflow::round8<D>(_mm256_mul_ps(kvflow::load8(ys + slot[j] * H + c), _mm256_set1_ps(w[j])))));
+                acc, kvflow::round8<D>(unfused(_mm256_mul_ps(kvflow::load8(ys + slot[j] * H + c), _mm256_set1_ps(w[j]))))));
         kvflow::store8<D>(out + c, acc);
     }
 #endif
     for (; c < H; ++c) {
         float acc = D::round(D::load(ys[slot[0] * H + c]) * w[0]);
-        for (int64_t j = 1; j < K; ++j) acc = D::round(acc + D::round(D::load(ys[slot[j] * H + c]) * w[j]));
+        for (int64_t j = 1; j < K; ++j) acc = D::round(acc + D::round(unfused(D::load(ys[slot[j] * H + c]) * w[j])));
         out[c] = D::store(acc);
     }
 }
@@ -152,13 +181,13 @@ void add_gated(const typename D::T* y, float g, int64_t H, typename D::T* out) {
 #if defined(KVFLOW_AVX512F)
     for (; c + 16 <= H; c += 16)
         kvflow::store16<D>(out + c, _mm512_add_ps(kvflow::load16(out + c),
-                                                  kvflow::round16<D>(_mm512_mul_ps(_mm512_set1_ps(g), kvflow::load16(y + c)))));
+                                                  kvflow::round16<D>(unfused(_mm512_mul_ps(_mm512_set1_ps(g), kvflow::load16(y + c))))));
 #elif defined(KVFLOW_REF_AVX2)
     for (; c + 8 <= H; c += 8)
         kvflow::store8<D>(out + c, _mm256_add_ps(kvflow::load8(out + c),
-                                                 kvflow::round8<D>(_mm256_mul_ps(_mm256_set1_ps(g), kvflow::load8(y + c)))));
+                                                 kvflow::round8<D>(unfused(_mm256_mul_ps(_mm256_set1_ps(g), kvflow::load8(y + c))))));
 #endif
-    for (; c < H; ++c) out[c] = D::store(D::round(D::load(out[c]) + D::round(g * D::load(y[c]))));
+    for (; c < H; ++c) out[c] = D::store(D::round(D::load(out[c]) + D::round(unfused(g * D::load(y[c])))));
 }
 
 template <typename D>

@@ -102,7 +102,6 @@ inline void group_sums(const uint16_t* x, int64_t x_stride, Source& b, int64_t g
             case 2: _tile_stored(2, sums[2], 64); break;
             default: _tile_stored(3, sums[3], 64); break;
         }
-        tile_results_stored();
         finish(g, sums[g & 3]);
     };
     for (int64_t g = 0; g < groups; ++g) {
@@ -153,7 +152,6 @@ inline void ring_block(A& a0, A* a1, B& b0, B* b1, int64_t kt0, int64_t kt1, flo
     if constexpr (NT == 2) _tile_stored(1, sums[1], 64);
     if constexpr (MT == 2) _tile_stored(2, sums[2], 64);
     if constexpr (MT == 2 && NT == 2) _tile_stored(3, sums[3], 64);
-    tile_results_stored();
 }
 
 // Rows [r, r + rows) of x (up to two row tiles) against the chunk's nt column tiles over k tiles

@@ -19,6 +19,17 @@ from kvflow.layers.moe import SparseMoeBlock
 HIDDEN, EXPERTS, TOP_K, INTER, TOKENS = 44, 8, 4, 8, 29
 
 
+def _make_exact(mlp, g: torch.Generator) -> None:
+    """Gate rows read only column 0 (x's constant 1) with weight 32; up rows -1/0/1 on columns
+    1-4; down weights +-1/32 (see _exact_block)."""
+    gate = torch.zeros(INTER, HIDDEN)
+    gate[:, 0] = 32
+    up = torch.zeros(INTER, HIDDEN)
+    up[:, 1:5] = torch.randint(-1, 2, (INTER, 4), generator=g).float()
+    mlp.gate_up_proj.weight.copy_(torch.cat([gate, up]))
+    mlp.down_proj.weight.copy_(torch.randint(-1, 2, (HIDDEN, INTER), generator=g) / 32)
+
+
 def _exact_block(shared: bool) -> tuple[SparseMoeBlock, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Column 0 of x is 1 and every gate row reads only it with weight 32, so each gate is 32 and
     silu(32) is 32 in float32; up rows are -1/0/1 on columns 1-4 (|up| <= 4), down weights +-1/32:
@@ -33,12 +44,7 @@ def _exact_block(shared: bool) -> tuple[SparseMoeBlock, list[tuple[torch.Tensor,
         router[:, 0] += torch.arange(EXPERTS) / 64
         block.gate.weight.copy_(router)
         for mlp in [*block.experts, *([block.shared_expert] if shared else [])]:
-            gate = torch.zeros(INTER, HIDDEN)
-            gate[:, 0] = 32
-            up = torch.zeros(INTER, HIDDEN)
-            up[:, 1:5] = torch.randint(-1, 2, (INTER, 4), generator=g).float()
-            mlp.gate_up_proj.weight.copy_(torch.cat([gate, up]))
-            mlp.down_proj.weight.copy_(torch.randint(-1, 2, (HIDDEN, INTER), generator=g) / 32)
+            _make_exact(mlp, g)
         if shared:
             block.shared_expert_gate.weight.zero_()  # sigmoid(0) = 0.5 exactly
     block = block.to(torch.bfloat16)
@@ -94,15 +100,9 @@ def test_float32_sum_multiplies_then_adds(top_k):
     block = SparseMoeBlock(HIDDEN, top_k, top_k, INTER, norm_topk_prob=False, round_weights=True)
     with torch.no_grad():
         block.gate.weight.zero_()
-        weights = []
         for mlp in block.experts:
-            gate = torch.zeros(INTER, HIDDEN)
-            gate[:, 0] = 32
-            up = torch.zeros(INTER, HIDDEN)
-            up[:, 1:5] = torch.randint(-1, 2, (INTER, 4), generator=g).float()
-            mlp.gate_up_proj.weight.copy_(torch.cat([gate, up]))
-            mlp.down_proj.weight.copy_(torch.randint(-1, 2, (HIDDEN, INTER), generator=g) / 32)
-            weights.append((mlp.gate_up_proj.weight.double().clone(), mlp.down_proj.weight.double().clone()))
+            _make_exact(mlp, g)
+    weights = [(m.gate_up_proj.weight.double().clone(), m.down_proj.weight.double().clone()) for m in block.experts]
     pack_linear_weights(block)
     if block.kernel_record() is None:
         pytest.skip("csrc/moe.cpp does not run here (no float32 kernels)")

@@ -10,9 +10,8 @@
 
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(KVFLOW_REF_AVX2)  // isa.h
 #include <immintrin.h>
-#define KVFLOW_REF_AVX2 1
 
 namespace kvflow::ref {
 

@@ -180,3 +180,9 @@ inline __m128i cvtepi32_epi8(__m512i a) { return truncate_dwords<uint8_t, __m128
 #define KVFLOW_AVX2_F16C 1
 #endif
 #endif
+
+// The 8-lane loops for CPUs with AVX2 and FMA (attention_ref_avx2.h, vec_dtype.h and the
+// elementwise kernels): the same operations in the same order as the scalar definitions.
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVFLOW_REF_AVX2 1
+#endif

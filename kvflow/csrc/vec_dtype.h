@@ -6,20 +6,25 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attention_ref_avx2.h"  // KVFLOW_REF_AVX2
-#include "common.h"
+#include "common.h"  // and isa.h: KVFLOW_AVX512F, KVFLOW_REF_AVX2
 
 namespace kvflow {
+
+// The storage dtypes these know: bf16 rounds, float32 keeps every bit.
+template <typename Dt>
+constexpr bool kVecDtype = std::is_same_v<Dt, BF16> || std::is_same_v<Dt, F32>;
 
 #if defined(KVFLOW_AVX512F)
 // Dt::round and Dt::store on 16 lanes, the same bits (bf16_bits16 is float_to_bf16).
 template <typename Dt>
 inline __m512 round16(__m512 v) {
+    static_assert(kVecDtype<Dt>);
     if constexpr (std::is_same_v<Dt, BF16>) return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
     return v;
 }
 template <typename Dt>
 inline void store16(typename Dt::T* dst, __m512 v) {
+    static_assert(kVecDtype<Dt>);
     if constexpr (std::is_same_v<Dt, BF16>)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(bf16_bits16(v)));
     else
@@ -39,11 +44,13 @@ inline __m256i bf16_bits8(__m256 x) {
 }
 template <typename Dt>
 inline __m256 round8(__m256 v) {
+    static_assert(kVecDtype<Dt>);
     if constexpr (std::is_same_v<Dt, BF16>) return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
     return v;
 }
 template <typename Dt>
 inline void store8(typename Dt::T* dst, __m256 v) {
+    static_assert(kVecDtype<Dt>);
     if constexpr (std::is_same_v<Dt, BF16>) {
         const __m256i b = bf16_bits8(v);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),

@@ -40,6 +40,9 @@ struct Micro<BF16> {
     static inline void store(uint16_t* p, __m512 v, __mmask16 mask) {  // rounded to nearest even
         _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
+    static inline __m512 round(__m512 v) {  // what load gives after store
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    }
 };
 #endif
 

@@ -83,6 +83,7 @@ template <typename T>
 struct Scratch {
     std::vector<T> p;
     std::vector<float> s;
+    std::vector<float> q;  // run_item_wide's queries
 };
 
 // One (sequence, KV head)'s keys and values in the layouts of the microkernel, packed once
@@ -113,6 +114,77 @@ void pack_kv(const typename Dt::T* key_cache, const typename Dt::T* value_cache,
         for (int64_t d = 0; d < head_dim; ++d) vdst[(d / 16) * padded * 16 + (d % 16) * G] = vrow[d];
     }
 }
+
+#if defined(KVFLOW_AVX512BF16) && !defined(KVFLOW_SIMDE)
+// run_item in bf16 where vdpbf16ps runs as float32 FMAs (dpbf16.h's fma_bf16_block, the same
+// bits): the FMA block would widen its bf16 rows at every call (a row block's queries for each
+// 64 keys, its probabilities for each 16 dims of V), so here the queries are widened once per
+// head and the probabilities, rounded to bf16, stay float32, in place of their scores. Blocks of
+// two tiles: four would need 40 registers.
+void run_item_wide(const Item& it, const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp,
+                   int64_t seq_padded, int64_t context, int64_t token0, uint16_t* out, int64_t out_stride,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, Scratch<uint16_t>& sc) {
+    constexpr int kTiles = 2;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t keys = context + it.q1, padded = (keys + 15) / 16 * 16, pairs = head_dim / 2;
+    const int64_t k_tile_stride = head_dim * 16, v_tile_stride = seq_padded * 16;
+    const int64_t rows_total = it.q1 - it.q0;
+    sc.s.resize(static_cast<size_t>(rows_total * padded));
+    sc.q.resize(static_cast<size_t>(rows_total * head_dim));
+    float* const qw = sc.q.data();
+    // Each call: up to kTiles tiles of 16 from `first`, the rest one at a time.
+    auto tiles_of = [](int64_t first, int64_t end, auto&& call) {
+        int64_t t = first;
+        for (; t + kTiles <= end; t += kTiles) call(t, std::integral_constant<int, kTiles>{});
+        for (; t < end; ++t) call(t, std::integral_constant<int, 1>{});
+    };
+    for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = it.head * group + g;
+        for (int64_t r = 0; r < rows_total; ++r)
+            for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(qw + r * head_dim + d,
+                                 kvflow::Micro<BF16>::load(q + (token0 + it.q0 + r) * q_stride + head * head_dim + d, 0xffff));
+        for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
+            const int64_t rows = std::min<int64_t>(kRowBlock, rows_total - r0);
+            const int64_t tiles = (context + it.q0 + r0 + rows + 15) / 16;  // to the block's causal limit
+            kvflow::with_block_rows<kRowBlock>(rows, [&](auto mt) {
+                tiles_of(0, tiles, [&](int64_t tile, auto nt) {
+                    StoreScores st{sc.s.data() + r0 * padded, padded, tile * 16, scale};
+                    kvflow::fma_bf16_block_wide<decltype(mt)::value, decltype(nt)::value>(
+                        qw + r0 * head_dim, head_dim, kp + tile * k_tile_stride, k_tile_stride, pairs, st);
+                });
+            });
+        }
+        float inv_sum[kQueryBlock];
+        for (int64_t r = 0; r < rows_total; ++r) {  // as run_item, the probabilities over their scores
+            const int64_t len = context + it.q0 + r + 1;
+            float* row = sc.s.data() + r * padded;
+            const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < padded; t += 16) {
+                const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
+                const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
+                const __m512 p = kvflow::Micro<BF16>::round(e);
+                _mm512_storeu_ps(row + t, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            inv_sum[r] = 1.f / kvflow::reduce_add16(sum);
+        }
+        for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
+            const int64_t rows = std::min<int64_t>(kRowBlock, rows_total - r0);
+            const int64_t key_steps = (context + it.q0 + r0 + rows + 1) / 2;
+            uint16_t* orow = out + (token0 + it.q0 + r0) * out_stride + head * head_dim;
+            kvflow::with_block_rows<kRowBlock>(rows, [&](auto mt) {
+                tiles_of(0, head_dim / 16, [&](int64_t dt, auto nt) {
+                    StoreOut<BF16> st{orow, out_stride, dt * 16, inv_sum + r0};
+                    kvflow::fma_bf16_block_wide<decltype(mt)::value, decltype(nt)::value>(
+                        sc.s.data() + r0 * padded, padded, vp + dt * v_tile_stride, v_tile_stride, key_steps, st);
+                });
+            });
+        }
+    }
+}
+#endif
 
 // One item: query rows [q0, q1) of one sequence's chunk for the query heads of one KV head,
 // over that head's packed K/V (`seq_padded` keys, from pack_kv).
@@ -253,6 +325,15 @@ int prefill(const typename Dt::T* q, int64_t q_stride, const typename Dt::T* key
                 const Item& it = items[i];
                 const int64_t n = query_start[it.seq + 1] - query_start[it.seq];
                 const auto [kp, vp] = kv_of(it.seq * num_kv_heads + it.head);
+#if defined(KVFLOW_AVX512BF16) && !defined(KVFLOW_SIMDE)
+                if constexpr (std::is_same_v<Dt, BF16>)
+                    if (kvflow::bf16_dot_with_fma()) {
+                        run_item_wide(it, q, q_stride, kp, vp, padded_of(it.seq), seq_lens[it.seq] - n,
+                                      query_start[it.seq], out, out_stride, num_heads, num_kv_heads, head_dim, scale,
+                                      scratch);
+                        continue;
+                    }
+#endif
                 run_item<Dt>(it, q, q_stride, kp, vp, padded_of(it.seq), seq_lens[it.seq] - n, query_start[it.seq],
                              out, out_stride, num_heads, num_kv_heads, head_dim, scale, scratch);
             }

@@ -25,11 +25,12 @@ class MachineInfo:
     model: int | None
     cores: int  # logical CPUs
     features: list[str] = field(default_factory=list)  # those of FEATURES this CPU has
-    kernels: dict[str, object] = field(default_factory=dict)  # bf16_dot, amx; empty: kernels off
+    kernels: dict[str, object] = field(default_factory=dict)  # bf16_dot, amx, attention_prefetch; empty: off
 
     def describe(self) -> str:
         family = f", CPU family {self.family} model {self.model}" if self.family is not None else ""
-        kernels = (f"kernels: bf16 blocks {self.kernels['bf16_dot']}, AMX {'on' if self.kernels['amx'] else 'off'}"
+        kernels = (f"kernels: bf16 blocks {self.kernels['bf16_dot']}, AMX {'on' if self.kernels['amx'] else 'off'}, "
+                   f"attention prefetch {self.kernels.get('attention_prefetch', '?')}"
                    if self.kernels else "kernels: off (PyTorch path)")
         return f"{self.cpu}{family}, {self.cores} CPUs; {' '.join(self.features) or 'no AVX2'}; {kernels}"
 
@@ -53,11 +54,13 @@ def machine_info(cpuinfo_path: str = "/proc/cpuinfo") -> MachineInfo:
     info = _cpuinfo(cpuinfo_path)
     flags = set(info.get("flags", "").split())
     kernels = cpu_kernels.load()
+    chosen = {} if kernels is None else {"bf16_dot": kernels.bf16_dot, "amx": kernels.amx,
+                                         "attention_prefetch": kernels.attention_prefetch}
     return MachineInfo(
         cpu=info.get("model name") or platform.processor() or platform.machine(),
         family=int(info["cpu family"]) if info.get("cpu family", "").isdigit() else None,
         model=int(info["model"]) if info.get("model", "").isdigit() else None,
         cores=os.cpu_count() or 1,
         features=[f for f in FEATURES if f in flags],
-        kernels={"bf16_dot": kernels.bf16_dot, "amx": kernels.amx} if kernels is not None else {},
+        kernels=chosen,
     )

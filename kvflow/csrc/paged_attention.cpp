@@ -270,6 +270,19 @@ int kvflow_decode_fast_path(int dtype, int64_t head_dim) {
 #endif
 }
 
+// Where decode attention's prefetch streams ask for lines (common.h, PrefetchStream): 0 L1, 1 L2,
+// -1 by CPU vendor (L2 on Intel, else L1). Returns the setting in force (-2 without the AVX-512
+// decode kernel, which is all that streams). Results are the same either way.
+int kvflow_set_stream_prefetch(int choice) {
+#if defined(KVFLOW_AVX512F)
+    kvflow::stream_prefetch_l2() = choice < 0 ? __builtin_cpu_is("intel") != 0 : choice != 0;
+    return kvflow::stream_prefetch_l2() ? 1 : 0;
+#else
+    (void)choice;
+    return -2;
+#endif
+}
+
 int kvflow_max_group() { return kMaxGroup; }
 int kvflow_max_head_dim() { return kMaxHeadDim; }
 

@@ -30,7 +30,8 @@ def test_reads_the_first_processor(tmp_path):
 def test_names_the_kernels_that_ran():
     kernels = cpu_kernels.load()
     info = machine_info()
-    assert info.kernels == {"bf16_dot": kernels.bf16_dot, "amx": kernels.amx}
+    assert info.kernels == {"bf16_dot": kernels.bf16_dot, "amx": kernels.amx,
+                            "attention_prefetch": kernels.attention_prefetch}
     assert ("AMX on" if kernels.amx else "AMX off") in info.describe()
 
 

@@ -79,6 +79,27 @@ struct StoreOut {  // out row = acc / row sum, in the storage dtype
     }
 };
 
+// Exact softmax of each of `rows` score rows (`padded` floats apart, row r seeing its first
+// first_len + r keys; zero probability beyond): the max, then each exp512(s - max) handed to
+// `store(row, t, e)` for keys t .. t + 15 of `row`, which returns the values it kept (the sum adds
+// those: bf16's are rounded); inv_sum[r] = 1 / sum.
+template <typename StoreProbs>
+inline void softmax_rows(float* scores, int64_t rows, int64_t padded, int64_t first_len, float* inv_sum,
+                         StoreProbs&& store) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = first_len + r;
+        float* row = scores + r * padded;
+        const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {
+            const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
+            const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
+            sum = _mm512_add_ps(sum, store(row, t, e));
+        }
+        inv_sum[r] = 1.f / kvflow::reduce_add16(sum);
+    }
+}
+
 template <typename T>
 struct Scratch {
     std::vector<T> p;
@@ -156,20 +177,11 @@ void run_item_wide(const Item& it, const uint16_t* q, int64_t q_stride, const ui
             });
         }
         float inv_sum[kQueryBlock];
-        for (int64_t r = 0; r < rows_total; ++r) {  // as run_item, the probabilities over their scores
-            const int64_t len = context + it.q0 + r + 1;
-            float* row = sc.s.data() + r * padded;
-            const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < padded; t += 16) {
-                const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
-                const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
-                const __m512 p = kvflow::Micro<BF16>::round(e);
-                _mm512_storeu_ps(row + t, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            inv_sum[r] = 1.f / kvflow::reduce_add16(sum);
-        }
+        softmax_rows(sc.s.data(), rows_total, padded, context + it.q0 + 1, inv_sum, [&](float* row, int64_t t, __m512 e) {
+            const __m512 p = kvflow::Micro<BF16>::round(e);  // over its own score
+            _mm512_storeu_ps(row + t, p);
+            return p;
+        });
         for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
             const int64_t rows = std::min<int64_t>(kRowBlock, rows_total - r0);
             const int64_t key_steps = (context + it.q0 + r0 + rows + 1) / 2;
@@ -224,21 +236,10 @@ void run_item(const Item& it, const typename Dt::T* q, int64_t q_stride, const t
                                     head_dim / G, st);
             }
         }
-        // Exact softmax per row over its visible keys; zero probability beyond.
         float inv_sum[kQueryBlock];
-        for (int64_t r = 0; r < rows_total; ++r) {
-            const int64_t len = context + it.q0 + r + 1;
-            float* row = sc.s.data() + r * padded;
-            T* prow = sc.p.data() + r * padded;
-            const __m512 m = _mm512_set1_ps(kvflow::row_max(row, len));
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < padded; t += 16) {
-                const __mmask16 valid = kvflow::tail_mask(std::max<int64_t>(0, len - t));
-                const __m512 e = _mm512_maskz_mov_ps(valid, kvflow::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, row + t), m)));
-                sum = _mm512_add_ps(sum, store_probs(prow + t, e));
-            }
-            inv_sum[r] = 1.f / kvflow::reduce_add16(sum);
-        }
+        softmax_rows(sc.s.data(), rows_total, padded, context + it.q0 + 1, inv_sum, [&](float* row, int64_t t, __m512 e) {
+            return store_probs(sc.p.data() + (row - sc.s.data()) + t, e);
+        });
         // out = P V, each row block only over its visible keys.
         for (int64_t r0 = 0; r0 < rows_total; r0 += kRowBlock) {
             const int64_t rows = std::min<int64_t>(kRowBlock, rows_total - r0);

@@ -174,30 +174,6 @@ def test_paged_decode_attention_long_sequence(kernels):
         assert_matches_reference(out, ref, torch.float32)
 
 
-def test_attention_prefetch_is_a_choice_of_cache_not_of_result(kernels):
-    """Decode attention's prefetch streams fill L1 or L2, by vendor under "auto" (L2 on Intel):
-    each setting is in force when chosen, the outputs are the same bits, and a bad value is
-    refused with the variable's name."""
-    before = kernels.attention_prefetch
-    if not kernels.avx512f:
-        assert before == kernels.set_attention_prefetch("l2") == "none"
-        return
-    with open("/proc/cpuinfo") as f:
-        intel = "GenuineIntel" in f.read()
-    q, kc, vc, tables, seq_lens = make_paged_case(batch_lens("many", 16, seed=3), 9, 3, 64, 16, torch.bfloat16, seed=3)
-    try:
-        assert kernels.set_attention_prefetch("auto") == ("l2" if intel else "l1")
-        outs = {}
-        for choice in ("l1", "l2"):
-            assert kernels.set_attention_prefetch(choice) == kernels.attention_prefetch == choice
-            outs[choice] = kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
-        assert torch.equal(outs["l1"], outs["l2"])
-        with pytest.raises(ValueError, match="KVFLOW_ATTENTION_PREFETCH"):
-            kernels.set_attention_prefetch("l3")
-    finally:
-        kernels.set_attention_prefetch(before)
-
-
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_decode_attention_is_batch_invariant(kernels, dtype, portable):

@@ -129,10 +129,11 @@ inline void fma_bf16_block(const uint16_t* x, int64_t x_stride, const uint16_t* 
 }
 #endif
 
-// Whether blocks of kMinFmaRows rows or more run the FMA block (both give the same bits): set
-// once by kvflow_set_bf16_dot (layers/cpu_kernels.py picks the faster on this CPU at load).
-// Fewer rows stay on vdpbf16ps: there the weight stream, not the arithmetic, sets the pace, and
-// the FMA block's two extra operations per weight load measured 15 % slower at 1-2 rows.
+// Whether GEMM blocks of kMinFmaRows rows or more run the FMA block, and prefill attention its
+// FMA path (prefill_item.h, blocks of every size), both giving vdpbf16ps's bits: set once by
+// kvflow_set_bf16_dot (layers/cpu_choices.py picks the faster on this CPU at load). GEMM blocks
+// of fewer rows stay on vdpbf16ps: there the weight stream, not the arithmetic, sets the pace,
+// and the FMA block's two extra operations per weight load measured 15 % slower at 1-2 rows.
 constexpr int kMinFmaRows = 4;
 
 inline bool& bf16_dot_with_fma() {

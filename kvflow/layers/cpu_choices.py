@@ -79,7 +79,7 @@ class KernelChoices:
             self.lib.kvflow_set_amx(1)
 
     def set_bf16_dot(self, choice: str) -> str:
-        """What multiplies bf16 in the GEMM and prefill-attention blocks of 4+ rows: "dpbf16"
+        """What multiplies bf16 in the GEMM blocks of 4+ rows and in prefill attention: "dpbf16"
         (vdpbf16ps) or "fma" (two float32 FMAs per k-pair), the same bits either way (csrc/dpbf16.h).
         "auto" times both once and keeps FMAs only where clearly faster (vdpbf16ps issued at a
         quarter of the FMA rate on the Intel Xeon measured). Returns the one in force."""

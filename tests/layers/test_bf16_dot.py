@@ -1,7 +1,8 @@
 """The two ways the bf16 GEMM and prefill-attention blocks multiply (csrc/dpbf16.h): vdpbf16ps, or
 two float32 FMAs per k-pair under DAZ/FTZ, which `set_bf16_dot` picks per CPU. They must give the
 same bits for every row count, denormals included, or a token's output would depend on the CPU
-type's choice of instruction (and on the row count, since blocks under 4 rows keep vdpbf16ps).
+type's choice of instruction (and on the row count: GEMM blocks under 4 rows keep vdpbf16ps,
+where prefill attention's FMA path runs every block with FMAs).
 """
 
 from __future__ import annotations
@@ -85,3 +86,20 @@ def test_prefill_attention_gives_the_same_bits_either_way(modes, heads, kv_heads
 
     dp, fma = run_in(modes, "dpbf16", attend), run_in(modes, "fma", attend)
     assert not dp.isnan().any() and torch.equal(dp.view(torch.int16), fma.view(torch.int16))
+
+
+def test_choice_is_checked(modes):
+    assert modes.set_bf16_dot("auto") in ("dpbf16", "fma")
+    assert modes.set_bf16_dot("dpbf16") == modes.bf16_dot == "dpbf16"
+    with pytest.raises(ValueError, match="KVFLOW_BF16_DOT"):
+        modes.set_bf16_dot("amx")
+
+
+def test_without_avx512_bf16_the_label_says_fma(kernels):
+    """Benchmarks print this label with every figure: on AVX2 hosts the blocks multiply with FMAs,
+    whatever is asked."""
+    if kernels.avx512_bf16:
+        pytest.skip("this CPU has AVX512-BF16: both ways are compiled (test_choice_is_checked)")
+    before = kernels.bf16_dot
+    assert kernels.set_bf16_dot("dpbf16") == kernels.bf16_dot == ("fma" if kernels.has_gemm_bf16 else "none")
+    assert before == kernels.bf16_dot

@@ -21,7 +21,8 @@ def test_attention_prefetch_is_a_choice_of_cache_not_of_result(kernels):
         return
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()
-    q, kc, vc, tables, seq_lens = make_paged_case(batch_lens("many", 16, seed=3), 9, 3, 64, 16, torch.bfloat16, seed=3)
+    # float32: its decode kernel streams wherever AVX-512F is (bf16's also needs AVX512-BF16)
+    q, kc, vc, tables, seq_lens = make_paged_case(batch_lens("many", 16, seed=3), 9, 3, 64, 16, torch.float32, seed=3)
     try:
         assert kernels.set_attention_prefetch("auto") == ("l2" if intel else "l1")
         outs = {}

@@ -152,6 +152,28 @@ void kvflow_pack_f32_weight(const float* w, int64_t n, int64_t k, float* packed)
     pack_weight<float, 1>(w, n, k, packed);
 }
 
+// out[r] = row ids[r] of a weight in tiles of 16 columns whose cells (a k group of one column:
+// 4 bytes in bf16 and float32, 2 in 8-bit quantized tiles) lie 16 apart: `cells` cells a row, as
+// they are stored. For a tied embedding read from its LM head (layers/embedding.py). Returns 0,
+// or -1 for another cell size.
+int kvflow_gather_packed_rows(const void* packed, int64_t cell_bytes, int64_t cells, const int64_t* ids, int64_t n,
+                              void* out) {
+    auto gather = [&](auto cell) {
+        using Cell = decltype(cell);
+        const Cell* src = static_cast<const Cell*>(packed);
+        Cell* dst = static_cast<Cell*>(out);
+#pragma omp parallel for if (n * cells >= (1 << 16))
+        for (int64_t r = 0; r < n; ++r) {
+            const Cell* row = src + (ids[r] / kTileCols * cells * kTileCols + ids[r] % kTileCols);
+            for (int64_t i = 0; i < cells; ++i) dst[r * cells + i] = row[i * kTileCols];
+        }
+        return 0;
+    };
+    if (cell_bytes == 4) return gather(uint32_t{});
+    if (cell_bytes == 2) return gather(uint16_t{});
+    return -1;
+}
+
 // The instruction sets the library's fast paths were built for: 1 AVX-512F, 2 AVX512-BF16,
 // 4 the AVX2 GEMM (for the dtypes without an AVX-512 one), 8 AMX tiles granted on this CPU, 16 F16C
 // beside the AVX2 GEMM (its quantized tiles read float16 scales).

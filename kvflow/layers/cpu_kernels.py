@@ -74,6 +74,8 @@ class CPUKernels(KernelChoices):
             fn.restype = ctypes.c_int
         self.lib.kvflow_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
         self.lib.kvflow_argmax_rows.restype = ctypes.c_int
+        self.lib.kvflow_gather_packed_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+        self.lib.kvflow_gather_packed_rows.restype = ctypes.c_int
         self.init_choices(amx)
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
@@ -262,6 +264,16 @@ class CPUKernels(KernelChoices):
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
         check_rc(self.lib.kvflow_silu_and_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                                             gate_up.numel() // (2 * inter), inter), "silu_and_mul")
+        return out
+
+    def gather_packed_rows(self, packed: torch.Tensor, cells: int, cell: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [n], each a row of the weight) of a weight packed in tiles of 16
+        columns whose rows are `cells` cells of dtype `cell` (pack_weight's bf16 pairs or float32
+        values as int32, an 8-bit tile's k pairs as int16): [n, cells] of `cell`."""
+        out = torch.empty(ids.numel(), cells, dtype=cell)
+        ids = ids.contiguous()
+        check_rc(self.lib.kvflow_gather_packed_rows(packed.data_ptr(), out.element_size(), cells, ids.data_ptr(),
+                                                    ids.numel(), out.data_ptr()), "gather_packed_rows")
         return out
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:

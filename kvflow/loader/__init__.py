@@ -19,6 +19,7 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.layers.attention import AttentionBackend
+from kvflow.layers.embedding import tie_embedding_to_head
 from kvflow.layers.linear import pack_linear_weights
 from kvflow.models import build_model
 from kvflow.models.llama import family_name
@@ -211,6 +212,8 @@ def load_model(
         formats = quantize_model(model, quantization)
         logger.info("linear layers by weight format: %s", dict(formats))
     pack_linear_weights(model)
+    if adapt_model is None:  # a parallel rank's stage code reads its embedding table itself
+        tie_embedding_to_head(model)
     if fuse_stack and hasattr(model, "fuse_stack"):
         model.fuse_stack()
     return model

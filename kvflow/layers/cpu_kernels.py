@@ -271,7 +271,7 @@ class CPUKernels(KernelChoices):
         columns whose rows are `cells` cells of dtype `cell` (pack_weight's bf16 pairs or float32
         values as int32, an 8-bit tile's k pairs as int16): [n, cells] of `cell`."""
         out = torch.empty(ids.numel(), cells, dtype=cell)
-        ids = ids.contiguous()
+        ids = ids.to(torch.int64).contiguous()
         check_rc(self.lib.kvflow_gather_packed_rows(packed.data_ptr(), out.element_size(), cells, ids.data_ptr(),
                                                     ids.numel(), out.data_ptr()), "gather_packed_rows")
         return out

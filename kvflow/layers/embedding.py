@@ -44,6 +44,8 @@ class TiedHeadEmbedding(nn.Module):
                                    requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dtype not in (torch.int64, torch.int32):  # as nn.Embedding takes them
+            raise TypeError(f"token ids must be int64 or int32, got {input_ids.dtype}")
         ids = input_ids.reshape(-1)
         # The packed head is padded to whole tiles of 16 rows: an id past the vocabulary would read
         # padding, where nn.Embedding raises.

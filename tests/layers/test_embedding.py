@@ -46,29 +46,37 @@ def test_tied_embedding_reads_the_packed_head(dtype):
     ids = torch.tensor([[0, 15, 16, 82], [81, 40, 3, 3]])
     hidden = torch.randn(5, HIDDEN).to(dtype)
     with torch.no_grad():
-        logits = model.lm_head(hidden)
         pack_linear_weights(model)
+        logits = model.lm_head(hidden)
         assert tie_embedding_to_head(model)
         assert isinstance(model.embed_tokens, TiedHeadEmbedding)
         assert model.embed_tokens.weight.device.type == "meta" and model.lm_head.weight.device.type == "meta"
         assert model.embed_tokens.weight.dtype == dtype and model.embed_tokens.weight.shape == (VOCAB, HIDDEN)
         assert torch.equal(model.embed_tokens(ids), table[ids])
         assert torch.equal(model.embed_tokens(torch.arange(VOCAB)), table)
+        assert torch.equal(model.embed_tokens(ids.to(torch.int32)), table[ids])
+        with pytest.raises(TypeError, match="int64 or int32"):
+            model.embed_tokens(ids.float())
         assert torch.equal(model.lm_head(hidden), logits)  # the head itself is untouched
         for bad in (VOCAB, VOCAB + 5, -1):  # VOCAB + 5 lies in the last tile's padding
             with pytest.raises(IndexError, match="out of range"):
                 model.embed_tokens(torch.tensor([1, bad]))
 
 
-@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
-def test_rows_from_8_bit_tiles_are_the_dequantized_table(half):
+@pytest.mark.parametrize("kind", ["float32-scales", "float16-scales", "offsets"])
+def test_rows_from_8_bit_tiles_are_the_dequantized_table(kind):
     """GGUF's tied Q8_0 head: the rows come from its blocks, dequantized as the loader dequantizes
-    the table (q * scale in float32, one rounding to bf16)."""
+    the table (q * scale, then + offset, in float32; one rounding to bf16)."""
     if not tiles.available():
         pytest.skip("the quantized tiles do not run here (no AVX512-BF16 or AVX2 + FMA)")
     torch.manual_seed(1)
-    weight = methods.quantize_int8(torch.randn(VOCAB, HIDDEN) * 0.05, group_size=32)
-    if half:
+    w = torch.randn(VOCAB, HIDDEN) * 0.05
+    if kind == "offsets":  # int8 values with a scale and an offset per group
+        weight = methods.quantize_int4(w, 32).widened(32)
+        assert weight.offsets is not None and bool(weight.offsets.any())
+    else:
+        weight = methods.quantize_int8(w, group_size=32)
+    if kind == "float16-scales":
         weight.scales = weight.scales.half().float()  # float16 values: PAIRS_HALF where the vector kernels run
     head = Linear(HIDDEN, VOCAB, bias=False).to(torch.bfloat16)
     head.set_quantized(weight)

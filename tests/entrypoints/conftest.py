@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import openai
 import pytest
 
 try:
@@ -28,6 +29,8 @@ from kvflow.entrypoints.openai.server import build_app
 
 API_KEY = "test-key"
 MODEL_NAME = "smollm2"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
 # float32 so that greedy text through the server equals LLM.generate bit for bit.
 ENGINE_KWARGS = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048, seed=0)
 
@@ -110,6 +113,12 @@ def offline_llm(smollm2_fp32):
     reusing it saves a weight load.
     """
     return smollm2_fp32
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> openai.OpenAI:
+    """The official OpenAI client on the module's server."""
+    return openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -171,8 +171,9 @@ class Linear(nn.Linear):
 
 def pack_linear_weights(model: nn.Module) -> dict[str, int]:
     """Pack every `Linear` of a loaded model and release the plain weights that nothing else
-    uses (a tied LM head's weight is the embedding table, which stays); returns how many
-    Linears took each packing.
+    uses (a tied LM head's weight is the embedding table, which stays here; `load_model` then
+    lets the lookup read the packed head, `layers/embedding.py`); returns how many Linears took
+    each packing.
 
     Weights in kvflow's layout are packed into one buffer per dtype on 2 MiB pages, and so are
     quantized weights' tiles: a decode step streams all of them, and on 4 KiB pages the GEMMs

@@ -152,12 +152,15 @@ void kvflow_pack_f32_weight(const float* w, int64_t n, int64_t k, float* packed)
     pack_weight<float, 1>(w, n, k, packed);
 }
 
-// out[r] = row ids[r] of a weight in tiles of 16 columns whose cells (a k group of one column:
-// 4 bytes in bf16 and float32, 2 in 8-bit quantized tiles) lie 16 apart: `cells` cells a row, as
-// they are stored. For a tied embedding read from its LM head (layers/embedding.py). Returns 0,
-// or -1 for another cell size.
-int kvflow_gather_packed_rows(const void* packed, int64_t cell_bytes, int64_t cells, const int64_t* ids, int64_t n,
-                              void* out) {
+// out[r] = row ids[r] of a weight of `rows` rows in tiles of 16 columns whose cells (a k group
+// of one column: 4 bytes in bf16 and float32, 2 in 8-bit quantized tiles) lie 16 apart: `cells`
+// cells a row, as they are stored. For a tied embedding read from its LM head
+// (layers/embedding.py). Returns 0, -1 for another cell size, -6 for an id outside [0, rows)
+// (the last tile's padding included), before anything is written.
+int kvflow_gather_packed_rows(const void* packed, int64_t rows, int64_t cell_bytes, int64_t cells, const int64_t* ids,
+                              int64_t n, void* out) {
+    for (int64_t r = 0; r < n; ++r)
+        if (ids[r] < 0 || ids[r] >= rows) return -6;
     auto gather = [&](auto cell) {
         using Cell = decltype(cell);
         const Cell* src = static_cast<const Cell*>(packed);

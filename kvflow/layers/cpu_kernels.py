@@ -74,7 +74,7 @@ class CPUKernels(KernelChoices):
             fn.restype = ctypes.c_int
         self.lib.kvflow_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
         self.lib.kvflow_argmax_rows.restype = ctypes.c_int
-        self.lib.kvflow_gather_packed_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+        self.lib.kvflow_gather_packed_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
         self.lib.kvflow_gather_packed_rows.restype = ctypes.c_int
         self.init_choices(amx)
 
@@ -266,14 +266,19 @@ class CPUKernels(KernelChoices):
                                             gate_up.numel() // (2 * inter), inter), "silu_and_mul")
         return out
 
-    def gather_packed_rows(self, packed: torch.Tensor, cells: int, cell: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (int64 [n], each a row of the weight) of a weight packed in tiles of 16
-        columns whose rows are `cells` cells of dtype `cell` (pack_weight's bf16 pairs or float32
-        values as int32, an 8-bit tile's k pairs as int16): [n, cells] of `cell`."""
+    def gather_packed_rows(self, packed: torch.Tensor, rows: int, cells: int, cell: torch.dtype,
+                           ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (integers [n]) of a weight of `rows` rows packed in tiles of 16 columns whose
+        rows are `cells` cells of dtype `cell` (pack_weight's bf16 pairs or float32 values as
+        int32, an 8-bit tile's k pairs as int16): [n, cells] of `cell`. IndexError for an id
+        outside [0, rows)."""
         out = torch.empty(ids.numel(), cells, dtype=cell)
         ids = ids.to(torch.int64).contiguous()
-        check_rc(self.lib.kvflow_gather_packed_rows(packed.data_ptr(), out.element_size(), cells, ids.data_ptr(),
-                                                    ids.numel(), out.data_ptr()), "gather_packed_rows")
+        rc = self.lib.kvflow_gather_packed_rows(packed.data_ptr(), rows, out.element_size(), cells, ids.data_ptr(),
+                                                ids.numel(), out.data_ptr())
+        if rc == ROW_OUT_OF_RANGE:
+            raise IndexError(f"gather_packed_rows: an id is out of range for a weight of {rows} rows")
+        check_rc(rc, "gather_packed_rows")
         return out
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
@@ -309,6 +314,7 @@ class CPUKernels(KernelChoices):
 POSITION_OUT_OF_RANGE = -3  # kvflow_rotary (and the fused stack through it)
 OUT_OF_MEMORY = -4  # the fused stack's scratch allocation
 TILES_NEED_AMX = -5  # quantized tiles packed in the AMX row layout, run with AMX off
+ROW_OUT_OF_RANGE = -6  # kvflow_gather_packed_rows: an id outside the weight's rows
 
 
 def check_rc(rc: int, name: str, max_position: int | None = None) -> None:

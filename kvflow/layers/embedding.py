@@ -46,12 +46,9 @@ class TiedHeadEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dtype not in (torch.int64, torch.int32):  # as nn.Embedding takes them
             raise TypeError(f"token ids must be int64 or int32, got {input_ids.dtype}")
-        ids = input_ids.reshape(-1)
-        # The packed head is padded to whole tiles of 16 rows: an id past the vocabulary would read
-        # padding, where nn.Embedding raises.
-        if ids.numel() and (int(ids.max()) >= self.num_embeddings or int(ids.min()) < 0):
-            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
-        return self.rows_of(ids).view(*input_ids.shape, self.embedding_dim)
+        # (an id outside the vocabulary, the padding of the head's last tile included, is an
+        # IndexError from the gather, as nn.Embedding raises one)
+        return self.rows_of(input_ids.reshape(-1)).view(*input_ids.shape, self.embedding_dim)
 
 
 def packed_rows(head: Linear, dtype: torch.dtype) -> RowsOf | None:
@@ -60,18 +57,18 @@ def packed_rows(head: Linear, dtype: torch.dtype) -> RowsOf | None:
     kernels = cpu_kernels.load()
     if kernels is None:
         return None
-    k, cols = head.in_features, tile_kernels.TILE_COLS
+    k, n, cols = head.in_features, head.out_features, tile_kernels.TILE_COLS
     packed = head.packed_weight
     if head.packing == "kvflow" and packed is not None:  # 4-byte cells: a bf16 pair, or one float32
         cells = k // 2 if packed.dtype == torch.bfloat16 else k
-        return lambda ids: kernels.gather_packed_rows(packed, cells, torch.int32, ids).view(packed.dtype)
+        return lambda ids: kernels.gather_packed_rows(packed, n, cells, torch.int32, ids).view(packed.dtype)
     t = head.quant_tiles
     if t is None or t.bits != 8 or t.layout not in (tile_kernels.PAIRS, tile_kernels.PAIRS_HALF):
         return None
     group = t.group_size
 
     def rows(ids: torch.Tensor) -> torch.Tensor:  # a k pair's two int8 quants per cell
-        quants = kernels.gather_packed_rows(t.q, k // 2, torch.int16, ids).view(torch.int8)
+        quants = kernels.gather_packed_rows(t.q, n, k // 2, torch.int16, ids).view(torch.int8)
         tile, col = ids // cols, ids % cols
         w = quants.float() * t.scales[tile, :, col].float().repeat_interleave(group, dim=1)
         if t.offsets is not None:

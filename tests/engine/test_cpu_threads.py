@@ -49,7 +49,7 @@ def test_the_thread_count_is_set_on_the_calling_thread_only():
 @linux_only
 def test_release_ends_the_calling_threads_openmp_workers():
     out = run_python(
-        "import os, torch\n"
+        "import os, time, torch\n"
         "from kvflow.engine.cpu_threads import release_openmp_threads\n"
         "tasks = lambda: len(os.listdir('/proc/self/task'))\n"
         "torch.set_num_threads(2)\n"
@@ -57,6 +57,9 @@ def test_release_ends_the_calling_threads_openmp_workers():
         "torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel region: this thread's team starts\n"
         "with_team = tasks()\n"
         "released = release_openmp_threads()\n"
+        "deadline = time.time() + 10  # the worker is told to end; it leaves /proc a moment later\n"
+        "while tasks() > before and time.time() < deadline:\n"
+        "    time.sleep(0.01)\n"
         "print(before, with_team, tasks(), released)\n")
     before, with_team, after, released = out.split()
     assert int(with_team) == int(before) + 1  # the team's one worker besides this thread

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-import openai
 import pytest
 
 try:
@@ -116,8 +115,10 @@ def offline_llm(smollm2_fp32):
 
 
 @pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
+def client(live_server) -> "openai.OpenAI":  # noqa: F821 (imported here: modules without it still collect)
     """The official OpenAI client on the module's server."""
+    import openai
+
     return openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
 
 

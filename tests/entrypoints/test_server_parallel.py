@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 
-import openai
 import pytest
 
 from kvflow import SamplingParams
@@ -19,11 +18,6 @@ from .conftest import MODEL_NAME, httpx
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name three colors."}]
-
-
-@pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
 
 
 def _events(response) -> list[dict]:

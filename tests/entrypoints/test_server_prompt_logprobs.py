@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import openai
 import pytest
 
 from kvflow import SamplingParams
@@ -19,11 +18,6 @@ from .conftest import MODEL_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 CHAT = [{"role": "user", "content": "Name three colors."}]
-
-
-@pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
 
 
 def check_shape(entries: list, prompt_ids: list[int], k: int, decode) -> None:

@@ -11,7 +11,6 @@ import threading
 import time
 
 import jsonschema
-import openai
 import pytest
 
 from .conftest import MODEL_NAME
@@ -28,11 +27,6 @@ PERSON = {
 }
 CHAT = [{"role": "user", "content": "Describe a person as JSON: name, age, member or not."}]
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
 
 
 def test_chat_json_schema_validates_across_seeds(live_server, client):

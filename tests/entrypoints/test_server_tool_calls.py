@@ -36,11 +36,6 @@ CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.v1, api_key=live_server.api_key, max_retries=0, timeout=120)
-
-
 def _check_calls(calls, names=None) -> list[tuple[str, dict]]:
     out = []
     for call in calls:

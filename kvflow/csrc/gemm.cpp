@@ -51,10 +51,11 @@ void pack_weight(const T* w, int64_t n, int64_t k, T* packed) {
 }
 
 #if defined(KVFLOW_AVX512F)
-// y = x @ W^T (+ bias) for a weight packed by pack_weight<T, Micro<Dt>::G>.
-template <typename Dt>
+// y = x @ W^T (+ bias) for a weight packed by pack_weight<T, Micro<Dt>::G>; Y: the output's
+// elements (kvflow::StoreFor).
+template <typename Dt, typename Y = typename Dt::T>
 int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const typename Dt::T* packed, int64_t n,
-         const typename Dt::T* bias, typename Dt::T* y, int64_t y_stride) {
+         const typename Dt::T* bias, Y* y, int64_t y_stride) {
     using M = kvflow::Micro<Dt>;
     if (k % M::G != 0) return -1;
     const int64_t tile_stride = k * kTileCols;
@@ -64,7 +65,7 @@ int gemm(const typename Dt::T* x, int64_t m, int64_t k, int64_t x_stride, const 
         // chunk's into L2 meanwhile, so the weight stream overlaps the arithmetic.
         const bool next_full = n0 + 2 * kTileCols * kNT <= n;
         kvflow::for_each_row_block(m, [&](int64_t r, int64_t rows) {
-            kvflow::StoreRow<Dt> store{y + r * y_stride, y_stride, n0, n, bias};
+            typename kvflow::StoreFor<Dt, Y>::type store{y + r * y_stride, y_stride, n0, n, bias};
             const typename Dt::T* next = r > 0 && next_full ? tile0 + kNT * tile_stride : nullptr;
             if (full)
                 M::template rows<kNT>(rows, x + r * x_stride, x_stride, tile0, tile_stride, k / M::G, store, next);
@@ -221,6 +222,22 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
     return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #elif defined(KVFLOW_AVX2_GEMM)
     return gemm_avx2<uint16_t>(x, m, k, x_stride, packed, n, bias, y, y_stride);
+#else
+    (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
+    return -2;
+#endif
+}
+
+// kvflow_gemm_bf16's values, rounded to bf16 as there, written widened to float32 (a bf16 LM
+// head's logits for the sampler, without a second pass). Returns -2 where only the AVX2 GEMM
+// runs: the caller widens kvflow_gemm_bf16's output itself.
+int kvflow_gemm_bf16_widened(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed,
+                             int64_t n, const uint16_t* bias, float* y, int64_t y_stride) {
+#if defined(KVFLOW_AMX)
+    if (kvflow::amx_enabled() && k % 32 == 0) return kvflow::gemm_amx_bf16(x, m, k, x_stride, packed, n, bias, y, y_stride);
+#endif
+#if defined(KVFLOW_AVX512BF16)
+    return gemm<kvflow::BF16, float>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;

@@ -190,10 +190,12 @@ struct AmxRows {
 // 1.3 TFLOP/s against torch's 2.2-2.5 (x re-read from beyond L2 for every chunk); panels 1.7-2.0.
 inline int64_t amx_panel_rows(int64_t k) { return std::max<int64_t>(32, (int64_t{1} << 20) / (2 * k) / 32 * 32); }
 
-// y = x @ W^T (+ bias) in bf16 for a weight packed by gemm.cpp's pack_weight<uint16_t, 2>.
-// Returns 0, -1 when K is not a multiple of 32, -4 out of memory.
+// y = x @ W^T (+ bias) in bf16 for a weight packed by gemm.cpp's pack_weight<uint16_t, 2>; a
+// float32 y takes the same bf16 values widened (StoreFor). Returns 0, -1 when K is not a multiple
+// of 32, -4 out of memory.
+template <typename Y = uint16_t>
 inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
-                         const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+                         const uint16_t* bias, Y* y, int64_t y_stride) {
     if (k % 32 != 0) return -1;
     if (m == 0) return 0;  // (a tile of 0 rows is an invalid configuration)
     AmxRows a;
@@ -215,7 +217,7 @@ inline int gemm_amx_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
                     const int64_t rows = std::min<int64_t>(32, m - r);
                     a.block(r, rows, two_tiles, tile0, tile_stride, 0, k_tiles, sums, /*stream=*/r == 0);
                     // + bias, rounded to bf16, masked at N: the vector GEMM's store.
-                    const StoreRow<BF16> store{y + r * y_stride, y_stride, n0, n, bias};
+                    const typename StoreFor<BF16, Y>::type store{y + r * y_stride, y_stride, n0, n, bias};
                     for (int64_t i = 0; i < rows; ++i)
                         for (int j = 0; j < (two_tiles ? 2 : 1); ++j)
                             store(static_cast<int>(i), j, _mm512_load_ps(sums[(i / 16) * 2 + j][i % 16]));

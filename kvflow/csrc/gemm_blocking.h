@@ -62,6 +62,38 @@ struct StoreRow {
     }
 };
 
+// StoreRow<BF16>'s values (+ bias, rounded to bf16) written widened to float32: a bf16 LM head's
+// logits as the sampler takes them (torch's .float() of the bf16 output, bit for bit), with no
+// second pass over them. In the engine that pass read rows the other thread had just written:
+// 0.67-1.0 ms of a 32-sequence step (AMX Xeon).
+#if defined(KVFLOW_AVX512BF16)
+struct StoreRowWidened {
+    float* y;
+    int64_t y_stride, n0, n;
+    const uint16_t* bias;
+    inline void operator()(int m, int j, __m512 acc) const {
+        const int64_t col = n0 + j * kTileCols;
+        if (col >= n) return;
+        const __mmask16 mask = tail_mask(n - col);
+        if (bias != nullptr) acc = _mm512_add_ps(acc, Micro<BF16>::load(bias + col, mask));
+        _mm512_mask_storeu_ps(y + m * y_stride + col, mask, Micro<BF16>::round(acc));
+    }
+};
+#endif
+
+// The store of a GEMM in Dt whose output elements are Y: StoreRow<Dt>, or for a bf16 GEMM with
+// a float32 output its rounded values widened.
+template <typename Dt, typename Y>
+struct StoreFor {
+    using type = StoreRow<Dt>;
+};
+#if defined(KVFLOW_AVX512BF16)
+template <>
+struct StoreFor<BF16, float> {
+    using type = StoreRowWidened;
+};
+#endif
+
 #endif
 
 }  // namespace kvflow

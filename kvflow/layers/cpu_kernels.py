@@ -52,6 +52,8 @@ class CPUKernels(KernelChoices):
         self.lib.kvflow_gemm_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
         self.lib.kvflow_gemm_bf16.restype = ctypes.c_int
         self._gemm = self.lib.kvflow_gemm_bf16
+        self.lib.kvflow_gemm_bf16_widened.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+        self.lib.kvflow_gemm_bf16_widened.restype = ctypes.c_int
         self.has_gemm_bf16 = bool(self.lib.kvflow_has_gemm_bf16())
         self.lib.kvflow_pack_f32_weight.argtypes = [ptr, i64, i64, ptr]
         self.lib.kvflow_pack_f32_weight.restype = None
@@ -280,6 +282,21 @@ class CPUKernels(KernelChoices):
             raise IndexError(f"gather_packed_rows: an id is out of range for a weight of {rows} rows")
         check_rc(rc, "gather_packed_rows")
         return out
+
+    def gemm_bf16_widened(self, x: torch.Tensor, *, packed: torch.Tensor, n: int,
+                          bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`gemm_prevalidated` for bf16 with its output widened to float32 as it is stored (a bf16
+        LM head's logits, equal to `.float()` of the bf16 result); None where only the AVX2 GEMM
+        runs, which has no such store."""
+        m, k = x.shape
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = self.lib.kvflow_gemm_bf16_widened(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n,
+                                               None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+        if rc == -2:
+            return None
+        if rc != 0:
+            raise RuntimeError(f"gemm failed (code {rc})")
+        return y
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: each row's first maximum (its first NaN where it has one), as

@@ -46,6 +46,7 @@ class Linear(nn.Linear):
     packing: str = "plain"  # "kvflow" | "onednn" | "plain" | "quantized" | "quantized-tiles"
     quant_weight: QuantizedWeight | None = None  # after tile packing: its record, tensors released
     quant_tiles: tile_kernels.QuantTiles | None = None
+    _gemm_widened = None  # bf16 kvflow packing on AVX512-BF16: the GEMM with float32 output (forward_float32)
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Run on `weight` from now on; the plain weight is released (a tied one is untied:
@@ -99,6 +100,9 @@ class Linear(nn.Linear):
             # Everything but x is fixed from here on: bind it once, so a call costs one ctypes hop.
             self._gemm = functools.partial(kernels.gemm_prevalidated, packed=self.packed_weight,
                                            n=self.out_features, bias=self.packed_bias)
+            self._gemm_widened = None if weight.dtype != torch.bfloat16 or not kernels.avx512_bf16 else \
+                functools.partial(kernels.gemm_bf16_widened, packed=self.packed_weight, n=self.out_features,
+                                  bias=self.packed_bias)
             return
         onednn_ok = torch.backends.mkldnn.is_available() and (
             weight.dtype == torch.float32
@@ -155,6 +159,11 @@ class Linear(nn.Linear):
         accumulator as is: rounding logits to bf16 first makes ties of tokens whose logits
         differ by less than a bf16 step, and greedy then picks by token id."""
         if self.quant_weight is None:
+            if (self.packing == "kvflow" and self._gemm_widened is not None and x.dtype == torch.bfloat16
+                    and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features):
+                y = self._gemm_widened(x)  # the same values, widened as they are stored: no second pass
+                if y is not None:
+                    return y
             return self(x).float()
         if self._quant_logits_op is None:
             self._quant_logits_op = (

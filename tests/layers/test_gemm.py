@@ -129,6 +129,24 @@ def test_gemm_is_batch_invariant(gemm, dtype):
             assert torch.equal(gemm.gemm(x[a:z], packed, n, b), batched[a:z]), (a, z)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("m", [1, 3, 17, 32, 70])
+def test_widened_output_is_the_bf16_output_widened(gemm, dtype, m):
+    """The float32-output GEMM (a bf16 LM head's logits) stores exactly `.float()` of the bf16
+    GEMM's output, with and without a bias, N not a whole number of tiles; None where only the
+    AVX2 GEMM runs."""
+    torch.manual_seed(m)
+    n, k = 200, 576
+    x, w, bias = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype) / math.sqrt(k), randn(n, dtype=dtype)
+    packed = gemm.pack_weight(w)
+    for b in (None, bias):
+        widened = gemm.gemm_bf16_widened(x, packed=packed, n=n, bias=b)
+        if not gemm.avx512_bf16:
+            assert widened is None
+            return
+        assert widened.dtype == torch.float32 and torch.equal(widened, gemm.gemm(x, packed, n, b).float())
+
+
 @DTYPES
 def test_gemm_strided_rows(gemm, dtype):
     """Rows with a stride larger than K (every other row, a column window, a transposed view)."""

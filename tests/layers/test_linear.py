@@ -121,6 +121,19 @@ def test_packed_output_matches_f_linear(monkeypatch, dtype, bias, shape):
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_forward_float32_is_the_bf16_output_widened(bias):
+    """The LM head's logits (`forward_float32`) equal `.float()` of its bf16 output, whichever GEMM
+    writes them (the float32-output store where AVX512-BF16 runs)."""
+    layer = make_linear(64, 83, bias, torch.bfloat16)
+    layer.pack()
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        logits = layer.forward_float32(x)
+        assert logits.dtype == torch.float32 and torch.equal(logits, layer(x).float())
+        assert torch.equal(layer.forward_float32(x[1:3]), logits[1:3])  # rows alone or batched
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_packed_rows_do_not_depend_on_batch(dtype):
     """The kvflow GEMM's promise: a token's output is the same alone or batched."""

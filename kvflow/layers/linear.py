@@ -55,7 +55,7 @@ class Linear(nn.Linear):
             raise ValueError(f"quantized weight of shape {weight.shape} for a Linear of "
                              f"{(self.out_features, self.in_features)}")
         self.quant_weight, self.packing, self.quant_tiles = weight, "quantized", None
-        self.packed_weight = self.packed_bias = None
+        self.packed_weight = self.packed_bias = self._gemm_widened = None
         self._quant_op = self._quant_logits_op = None  # bound on first use, once the bias has its final dtype
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
                                    requires_grad=False)
@@ -89,6 +89,7 @@ class Linear(nn.Linear):
         if self.weight.device.type == "meta":
             return  # packed already, and the plain weight released
         self.packed_weight, self.packed_bias, self.packing = None, None, "plain"
+        self._gemm_widened = None  # (a repacking must not keep the old packed tensor alive through it)
         weight = self.weight.detach()
         if os.environ.get("KVFLOW_PACKED_LINEAR", "1") == "0" or weight.device.type != "cpu":
             return

@@ -145,6 +145,9 @@ def test_widened_output_is_the_bf16_output_widened(gemm, dtype, m):
             assert widened is None
             return
         assert widened.dtype == torch.float32 and torch.equal(widened, gemm.gemm(x, packed, n, b).float())
+    wide = randn(m, k + 64, dtype=dtype)  # rows further apart than K
+    assert torch.equal(gemm.gemm_bf16_widened(wide[:, :k], packed=packed, n=n, bias=bias),
+                       gemm.gemm(wide[:, :k], packed, n, bias).float())
 
 
 @DTYPES

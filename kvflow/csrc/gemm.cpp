@@ -213,19 +213,34 @@ int kvflow_has_gemm_f32() { return 1; }
 int kvflow_has_gemm_f32() { return 0; }
 #endif
 
-int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
-                     const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+}  // extern "C"
+
+namespace {
+// kvflow_gemm_bf16's dispatch for an output of Y: AMX tiles where they are on, the AVX512-BF16
+// blocks, or (bf16 output only) the AVX2 ones; -2 where none runs that output.
+template <typename Y>
+int gemm_bf16_to(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
+                 const uint16_t* bias, Y* y, int64_t y_stride) {
 #if defined(KVFLOW_AMX)
     if (kvflow::amx_enabled() && k % 32 == 0) return kvflow::gemm_amx_bf16(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #endif
 #if defined(KVFLOW_AVX512BF16)
-    return gemm<kvflow::BF16>(x, m, k, x_stride, packed, n, bias, y, y_stride);
-#elif defined(KVFLOW_AVX2_GEMM)
-    return gemm_avx2<uint16_t>(x, m, k, x_stride, packed, n, bias, y, y_stride);
+    return gemm<kvflow::BF16, Y>(x, m, k, x_stride, packed, n, bias, y, y_stride);
 #else
+#if defined(KVFLOW_AVX2_GEMM)
+    if constexpr (std::is_same_v<Y, uint16_t>) return gemm_avx2<uint16_t>(x, m, k, x_stride, packed, n, bias, y, y_stride);
+#endif
     (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
     return -2;
 #endif
+}
+}  // namespace
+
+extern "C" {
+
+int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed, int64_t n,
+                     const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+    return gemm_bf16_to(x, m, k, x_stride, packed, n, bias, y, y_stride);
 }
 
 // kvflow_gemm_bf16's values, rounded to bf16 as there, written widened to float32 (a bf16 LM
@@ -233,15 +248,7 @@ int kvflow_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
 // runs: the caller widens kvflow_gemm_bf16's output itself.
 int kvflow_gemm_bf16_widened(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint16_t* packed,
                              int64_t n, const uint16_t* bias, float* y, int64_t y_stride) {
-#if defined(KVFLOW_AMX)
-    if (kvflow::amx_enabled() && k % 32 == 0) return kvflow::gemm_amx_bf16(x, m, k, x_stride, packed, n, bias, y, y_stride);
-#endif
-#if defined(KVFLOW_AVX512BF16)
-    return gemm<kvflow::BF16, float>(x, m, k, x_stride, packed, n, bias, y, y_stride);
-#else
-    (void)x; (void)m; (void)k; (void)x_stride; (void)packed; (void)n; (void)bias; (void)y; (void)y_stride;
-    return -2;
-#endif
+    return gemm_bf16_to(x, m, k, x_stride, packed, n, bias, y, y_stride);
 }
 
 int kvflow_gemm_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,

@@ -13,7 +13,9 @@ Guards:
 
 from __future__ import annotations
 
+import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -221,10 +223,13 @@ def test_kernel_sources_compile_for_other_cpus(march):
     AVX-512 but no AVX512-BF16, and one with both (a failure there disables every kernel)."""
     cxx = cpu_build._compiler()
     assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
-    for source in cpu_build._SOURCES:
-        result = subprocess.run([cxx, "-std=c++17", "-fopenmp", f"-march={march}", "-fsyntax-only", str(source)],
-                                capture_output=True, text=True)
-        assert result.returncode == 0, f"{source.name} for -march={march}:\n{result.stderr[-2000:]}"
+    def check(source):
+        return source, subprocess.run([cxx, "-std=c++17", "-fopenmp", f"-march={march}", "-fsyntax-only", str(source)],
+                                      capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:  # one compiler per core
+        for source, result in pool.map(check, cpu_build._SOURCES):
+            assert result.returncode == 0, f"{source.name} for -march={march}:\n{result.stderr[-2000:]}"
 
 
 def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
@@ -239,9 +244,7 @@ def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
     assert cxx is not None, "no C++ compiler: make needs one to install kvflow"
     lib = tmp_path / "kvflow_skylake.so"
     flags = [f for f in cpu_build._FLAGS if not f.startswith("-march")] + ["-march=skylake-avx512"]
-    result = subprocess.run([cxx, *flags, *map(str, cpu_build._SOURCES), "-o", str(lib)], capture_output=True,
-                            text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
+    cpu_build.compile_library(cxx, flags, lib)
     skylake = cpu_kernels.CPUKernels(lib, amx="off")  # a build without AMX
     assert skylake.avx512f and not skylake.avx512_bf16 and skylake.has_gemm_bf16  # bf16 GEMM: AVX2
     assert skylake.decode_fast_path(torch.float32, 64) and not skylake.decode_fast_path(torch.bfloat16, 64)

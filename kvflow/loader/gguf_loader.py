@@ -319,7 +319,9 @@ def iter_gguf_weights(
 
     Weights are fp32 CPU tensors, except that a tensor whose HF name `keep_quantized` accepts
     and which the file stores as Q8_0, Q4_0 or Q4_1 comes as a `QuantizedWeight` of its own
-    blocks (quantization/gguf.py). Other quantized types are dequantized, with a log line."""
+    blocks (quantization/gguf.py); so does the embedding table where the head is tied to it and
+    `keep_quantized` accepts "lm_head.weight" (the same blocks, yielded for both). Other quantized
+    types are dequantized, with a log line."""
     header = _header(path)
     arch = _architecture(header, path)
     heads, kv_heads = _head_counts(header.metadata, arch)
@@ -344,9 +346,13 @@ def iter_gguf_weights(
                 dequantized[kind] = dequantized.get(kind, 0) + 1
         if (hf_name == "model.embed_tokens.weight" and tied_head and keep_quantized is not None
                 and keep_quantized("lm_head.weight") and info.qtype in SHIPPED_TYPES):
-            # The tied LM head multiplies by the embedding table: as shipped, its own blocks
-            # (the lookup below still gets the table, dequantized).
-            yield "lm_head.weight", from_gguf_blocks(data[info.offset : info.offset + info.nbytes], info.qtype, info.shape)
+            # The tied LM head multiplies by the embedding table: as shipped, its own blocks. The
+            # lookup's table comes as the same blocks too, which the model dequantizes a few
+            # thousand rows at a time into its own dtype: no float32 copy of the whole table.
+            blocks = from_gguf_blocks(data[info.offset : info.offset + info.nbytes], info.qtype, info.shape)
+            yield "lm_head.weight", blocks
+            yield hf_name, blocks
+            continue
         w = _dequantize(data, info, path)
         if permuted:
             w = _unpermute_rows(w, n_head)

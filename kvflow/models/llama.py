@@ -171,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
         Every parameter must be written exactly once (fused ones once per shard): a
         checkpoint that misses one fails here, not with garbage output later. A linear
         weight may come as a `QuantizedWeight` (a quantized checkpoint run as shipped): its
-        shards are stacked and the layer runs on them (see `_set_quantized`).
+        shards are stacked and the layer runs on them (see `_set_quantized`). The embedding
+        table may come as one too (a tied GGUF head's blocks): it is dequantized into the table.
         """
         params = dict(self.named_parameters())
         expected: dict[str, int] = {}
@@ -204,7 +205,9 @@ class LlamaForCausalLM(nn.Module):
                 dst = param.data.narrow(0, *self._shard_range(name, shard))
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            if isinstance(tensor, QuantizedWeight):
+            if isinstance(tensor, QuantizedWeight) and name == "embed_tokens.weight":
+                tensor.dequantize_into(dst)  # the lookup's table (a tied GGUF head's blocks)
+            elif isinstance(tensor, QuantizedWeight):
                 quantized.setdefault(name, {})[shard or 0] = tensor
             else:
                 dst.copy_(tensor)

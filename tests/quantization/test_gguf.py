@@ -32,3 +32,34 @@ def test_default_models_q4_1_tensor(smollm2_gguf):
     ref = dequantize(np.asarray(data).reshape(info.shape[0], -1), GGMLQuantizationType.Q4_1)
     assert torch.equal(qw.dequantize(), torch.from_numpy(ref.reshape(info.shape)))
     assert qw.nbytes < info.shape[0] * info.shape[1]  # 4 bits + scales: under a byte per weight
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_into_gives_the_dequantized_weight_in_any_chunks(kind, dtype):
+    """A tied GGUF head's table is dequantized into the model a few thousand rows at a time
+    (no float32 copy of the whole table): the same values as one dequantization, rounded once."""
+    qtype = GGMLQuantizationType[kind]
+    raw = quantize(np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32), qtype)
+    qw = from_gguf_blocks(raw, qtype.value, (48, 128))
+    for rows_at_a_time in (7, 48, 4096):
+        out = torch.full((48, 128), float("nan"), dtype=dtype)
+        qw.dequantize_into(out, rows_at_a_time)
+        assert torch.equal(out, qw.dequantize().to(dtype))
+    with pytest.raises(ValueError, match="shape"):
+        qw.dequantize_into(torch.empty(47, 128))
+
+
+def test_tied_gguf_table_comes_as_the_heads_blocks(smollm2_gguf):
+    """With the head run on the embedding's own blocks, the loader hands the table over as those
+    blocks (the model dequantizes them), not as a float32 copy of the whole table."""
+    from kvflow.loader import _runs_as_shipped
+    from kvflow.loader.gguf_loader import iter_gguf_weights
+
+    got = {}
+    for name, weight in iter_gguf_weights(smollm2_gguf, keep_quantized=_runs_as_shipped):
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):
+            got[name] = weight
+    assert got["model.embed_tokens.weight"] is got["lm_head.weight"]
+    plain = dict(w for w in iter_gguf_weights(smollm2_gguf) if w[0] == "model.embed_tokens.weight")
+    assert torch.equal(got["lm_head.weight"].dequantize(), plain["model.embed_tokens.weight"])

@@ -319,9 +319,10 @@ def iter_gguf_weights(
 
     Weights are fp32 CPU tensors, except that a tensor whose HF name `keep_quantized` accepts
     and which the file stores as Q8_0, Q4_0 or Q4_1 comes as a `QuantizedWeight` of its own
-    blocks (quantization/gguf.py); so does the embedding table where the head is tied to it and
-    `keep_quantized` accepts "lm_head.weight" (the same blocks, yielded for both). Other quantized
-    types are dequantized, with a log line."""
+    blocks (quantization/gguf.py); with `keep_quantized` given, so does an embedding table
+    stored in those types (the model dequantizes it into its table), and where the head is tied to
+    it and `keep_quantized` accepts "lm_head.weight", the head as the same blocks. Other
+    quantized types are dequantized, with a log line."""
     header = _header(path)
     arch = _architecture(header, path)
     heads, kv_heads = _head_counts(header.metadata, arch)
@@ -344,13 +345,14 @@ def iter_gguf_weights(
             if info.qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
                 kind = GGMLQuantizationType(info.qtype).name
                 dequantized[kind] = dequantized.get(kind, 0) + 1
-        if (hf_name == "model.embed_tokens.weight" and tied_head and keep_quantized is not None
-                and keep_quantized("lm_head.weight") and info.qtype in SHIPPED_TYPES):
-            # The tied LM head multiplies by the embedding table: as shipped, its own blocks. The
-            # lookup's table comes as the same blocks too, which the model dequantizes a few
-            # thousand rows at a time into its own dtype: no float32 copy of the whole table.
+        if (hf_name == "model.embed_tokens.weight" and keep_quantized is not None and info.qtype in SHIPPED_TYPES
+                and len(info.shape) == 2):
+            # The lookup's table comes as its blocks, which the model dequantizes a few thousand
+            # rows at a time into its own dtype: no float32 copy of the whole table (a 128k x 2k
+            # vocabulary's is 1 GB). A tied LM head multiplies by the same blocks, as shipped.
             blocks = from_gguf_blocks(data[info.offset : info.offset + info.nbytes], info.qtype, info.shape)
-            yield "lm_head.weight", blocks
+            if tied_head and keep_quantized("lm_head.weight"):
+                yield "lm_head.weight", blocks
             yield hf_name, blocks
             continue
         w = _dequantize(data, info, path)

@@ -62,7 +62,7 @@ LINEAR_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_outp
                 "ffn_gate": Q.Q5_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
 
 
-def _write_kquant_llama(path) -> None:
+def _write_kquant_llama(path, embedding_type: Q = Q.F32) -> None:
     rng = np.random.default_rng(7)
     writer = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((writer.add_block_count, LAYERS), (writer.add_context_length, 256),
@@ -77,7 +77,10 @@ def _write_kquant_llama(path) -> None:
     writer.add_token_scores([0.0] * VOCAB)
     writer.add_token_types([2, 3, 3, *([1] * (VOCAB - 3))])
     d = H // HEADS
-    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, H)).astype(np.float32))
+    if embedding_type == Q.F32:
+        writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, H)).astype(np.float32))
+    else:  # the model dequantizes the table from its blocks (no float32 copy from the loader)
+        writer.add_tensor("token_embd.weight", random_blocks(rng, embedding_type, VOCAB, H), raw_dtype=embedding_type)
     writer.add_tensor("output_norm.weight", np.ones(H, dtype=np.float32))
     writer.add_tensor("output.weight", random_blocks(rng, Q.Q6_K, VOCAB, H), raw_dtype=Q.Q6_K)
     shapes = {"attn_q": (HEADS * d, H), "attn_k": (KV * d, H), "attn_v": (KV * d, H), "attn_output": (H, HEADS * d),
@@ -94,9 +97,10 @@ def _write_kquant_llama(path) -> None:
     writer.close()
 
 
-def test_kquant_file_runs_as_shipped_and_matches_its_dequantization(tmp_path):
+@pytest.mark.parametrize("embedding_type", [Q.F32, Q.Q6_K], ids=["f32-table", "q6k-table"])
+def test_kquant_file_runs_as_shipped_and_matches_its_dequantization(tmp_path, embedding_type):
     path = tmp_path / "tiny-kquants.gguf"
-    _write_kquant_llama(path)
+    _write_kquant_llama(path, embedding_type)
     kwargs = dict(dtype="float32", kv_cache_memory=4 << 20, max_model_len=128)
     shipped = LLM(str(path), quantization="gguf", **kwargs)
     model = shipped.engine.runner.model

@@ -90,10 +90,22 @@ def build(verbose: bool = False, emulate_avx512: bool = False) -> Path:
     return target
 
 
+def _build_jobs() -> int:
+    """Compilers run at once: KVFLOW_BUILD_JOBS, else one per core this process may use (each takes
+    up to ~400 MB; set it lower on a many-core machine with little memory)."""
+    setting = os.environ.get("KVFLOW_BUILD_JOBS", "")
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise ValueError(f"KVFLOW_BUILD_JOBS={setting!r}: expected a positive whole number of compilers")
+        return int(setting)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def compile_library(cxx: str, flags: list[str], out: Path, verbose: bool = False) -> None:
-    """Every source to an object beside `out`, as many at a time as this process may use cores
-    (the largest first, so that the longest compile starts at once), then one link into `out`.
-    Raises RuntimeError with the compiler's messages."""
+    """Every source to an object beside `out` (left there: `build` works in a temporary folder), as
+    many at a time as this process may use cores or KVFLOW_BUILD_JOBS says (the largest source
+    first, so that the longest compile starts at once), then one link into `out`. Raises
+    RuntimeError with the compiler's messages."""
     sources = _SOURCES
     objects = {src: out.parent / f"{out.stem}.{src.stem}.o" for src in sources}
     object_flags = [f for f in flags if f != "-shared"]
@@ -104,14 +116,14 @@ def compile_library(cxx: str, flags: list[str], out: Path, verbose: bool = False
         result = subprocess.run(cmd, capture_output=True, text=True)
         return f"{what}:\n{result.stderr}" if result.returncode != 0 else ""
 
-    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    jobs = _build_jobs()
     largest_first = sorted(sources, key=lambda src: src.stat().st_size, reverse=True)
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
         errors = [e for e in pool.map(lambda src: run(src.name, [cxx, *object_flags, "-c", str(src), "-o",
                                                                  str(objects[src])]), largest_first) if e]
     if not errors:
         errors = [e for e in [run("linking", [cxx, *flags, *map(str, objects.values()), "-o", str(out)])] if e]
-    if errors:  # the first source's messages first: later ones often repeat them
+    if errors:  # the head of the messages: a broken header repeats its error for every source
         raise RuntimeError("building kvflow's CPU kernels failed:\n" + "\n".join(errors)[:4000])
 
 

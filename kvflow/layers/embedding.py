@@ -8,7 +8,7 @@ SmolLM2's resident memory in bf16, and as much with its GGUF file run as shipped
 the embedding's own Q8_0 blocks).
 
 The rows are the table's bits: kvflow's bf16 and float32 layouts are permutations of the weight,
-and 8-bit tiles dequantize as the loader dequantized the table (the integer times its float
+and 8-bit tiles dequantize as the table was dequantized at load (the integer times its float
 scale, exact in float32, plus the offset, then one rounding to the model's dtype).
 `tie_embedding_to_head` checks every row against the table before releasing it and leaves the
 table in place for any layout it cannot read.

@@ -73,7 +73,9 @@ def load_model_config(path: str) -> ModelConfig:
 def iter_weights(path: str, load_format: str = "auto", keep_quantized: Callable[[str], bool] | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """HF-named weights; a quantized checkpoint's layers whose names `keep_quantized` accepts
-    come as `QuantizedWeight`s of their own blocks (GGUF, compressed-tensors, GPTQ), the rest as float."""
+    come as `QuantizedWeight`s of their own blocks (GGUF, compressed-tensors, GPTQ), the rest as float
+    (with `keep_quantized` given, a GGUF file's quantized embedding table comes as its blocks too:
+    `load_weights` dequantizes it into the model's table)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if _is_gguf(path):

@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         checkpoint that misses one fails here, not with garbage output later. A linear
         weight may come as a `QuantizedWeight` (a quantized checkpoint run as shipped): its
         shards are stacked and the layer runs on them (see `_set_quantized`). The embedding
-        table may come as one too (a tied GGUF head's blocks): it is dequantized into the table.
+        table may come as one too (a GGUF file's blocks): it is dequantized into the table.
         """
         params = dict(self.named_parameters())
         expected: dict[str, int] = {}
@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             if isinstance(tensor, QuantizedWeight) and name == "embed_tokens.weight":
-                tensor.dequantize_into(dst)  # the lookup's table (a tied GGUF head's blocks)
+                tensor.dequantize_into(dst)  # the lookup's table (a GGUF file's blocks)
             elif isinstance(tensor, QuantizedWeight):
                 quantized.setdefault(name, {})[shard or 0] = tensor
             else:

@@ -254,3 +254,16 @@ def test_decode_fast_path_on_avx512_without_bf16(kernels, tmp_path):
             q, kc, vc, tables, seq_lens = make_paged_case(lens, 6, 2, 64, block_size, dtype, seed=block_size)
             out = skylake.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
             assert_matches_reference(out, reference_decode(q, kc, vc, tables, seq_lens, 0.125), dtype)
+
+
+def test_build_jobs_setting(monkeypatch):
+    """KVFLOW_BUILD_JOBS caps how many compilers run at once (each takes a few hundred MB);
+    anything but a positive whole number is refused with the setting's name."""
+    monkeypatch.setenv("KVFLOW_BUILD_JOBS", "3")
+    assert cpu_build._build_jobs() == 3
+    monkeypatch.delenv("KVFLOW_BUILD_JOBS")
+    assert cpu_build._build_jobs() == len(os.sched_getaffinity(0))
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("KVFLOW_BUILD_JOBS", bad)
+        with pytest.raises(ValueError, match="KVFLOW_BUILD_JOBS"):
+            cpu_build._build_jobs()

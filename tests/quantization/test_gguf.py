@@ -54,12 +54,21 @@ def test_tied_gguf_table_comes_as_the_heads_blocks(smollm2_gguf):
     """With the head run on the embedding's own blocks, the loader hands the table over as those
     blocks (the model dequantizes them), not as a float32 copy of the whole table."""
     from kvflow.loader import _runs_as_shipped
-    from kvflow.loader.gguf_loader import iter_gguf_weights
+    from kvflow.loader.gguf_loader import _header, iter_gguf_weights
 
     got = {}
     for name, weight in iter_gguf_weights(smollm2_gguf, keep_quantized=_runs_as_shipped):
         if name in ("lm_head.weight", "model.embed_tokens.weight"):
             got[name] = weight
-    assert got["model.embed_tokens.weight"] is got["lm_head.weight"]
-    plain = dict(w for w in iter_gguf_weights(smollm2_gguf) if w[0] == "model.embed_tokens.weight")
-    assert torch.equal(got["lm_head.weight"].dequantize(), plain["model.embed_tokens.weight"])
+        if len(got) == 2:
+            break
+    blocks = got["model.embed_tokens.weight"]
+    assert blocks is got["lm_head.weight"] and blocks.source == "gguf:Q8_0"
+    # What the model makes of them: gguf's own dequantization, rounded once to the model's dtype.
+    info = next(t for t in _header(smollm2_gguf).tensors if t.name == "token_embd.weight")
+    data = np.memmap(smollm2_gguf, dtype=np.uint8, mode="r")[info.offset : info.offset + info.nbytes]
+    ref = torch.from_numpy(dequantize(np.asarray(data).reshape(info.shape[0], -1), GGMLQuantizationType.Q8_0))
+    for dtype in (torch.float32, torch.bfloat16):
+        table = torch.empty(blocks.shape, dtype=dtype)
+        blocks.dequantize_into(table)
+        assert torch.equal(table, ref.to(dtype))

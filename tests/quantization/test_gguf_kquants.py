@@ -119,3 +119,21 @@ def test_kquant_file_runs_as_shipped_and_matches_its_dequantization(tmp_path, em
         if i is not None:  # only at a near-tie of the float run
             top2 = sorted(b.logprobs[i].values(), reverse=True)[:2]
             assert top2[0] - top2[1] < 1e-3, f"diverged at step {i} away from a tie"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_table_is_the_dequantized_table(tmp_path, dtype):
+    """A table the loader hands over as blocks (dequantized by the model, 4,096 rows at a time)
+    has the bits of the file dequantized at load (here an untied Q6_K table; test_gguf.py checks the
+    default model's tied Q8_0 table against gguf's own dequantization)."""
+    from kvflow.layers.attention import CPUAttentionBackend
+    from kvflow.loader import load_model, load_model_config, resolve_quantization
+
+    path = tmp_path / "tiny-kquants.gguf"
+    _write_kquant_llama(path, Q.Q6_K)
+    cfg = load_model_config(str(path))
+    shipped, plain = (load_model(str(path), cfg, dtype, CPUAttentionBackend(),
+                                 quantization=resolve_quantization(str(path), q, dtype="auto"))
+                      for q in ("gguf", "none"))
+    assert isinstance(shipped.embed_tokens, torch.nn.Embedding)  # untied: the table stays a table
+    assert torch.equal(shipped.embed_tokens.weight, plain.embed_tokens.weight)

@@ -320,9 +320,10 @@ def iter_gguf_weights(
     Weights are fp32 CPU tensors, except that a tensor whose HF name `keep_quantized` accepts
     and which the file stores in a type kvflow runs (SHIPPED_TYPES: Q8_0, Q4_0, Q4_1 and the
     K-quants) comes as a `QuantizedWeight` of its own blocks (quantization/gguf.py); with
-    `keep_quantized` given, so does an embedding table stored in those types (the model dequantizes it into its table), and where the head is tied to
-    it and `keep_quantized` accepts "lm_head.weight", the head as the same blocks. Other
-    quantized types are dequantized, with a log line."""
+    `keep_quantized` given, so does an embedding table stored in those types (the model
+    dequantizes it into its table), and where the head is tied to it and `keep_quantized`
+    accepts "lm_head.weight", the head as the same blocks. Other quantized types are
+    dequantized, with a log line."""
     header = _header(path)
     arch = _architecture(header, path)
     heads, kv_heads = _head_counts(header.metadata, arch)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence as Seq
 
+from pydantic import ValidationError
+
 from kvflow.config import EngineConfig
-from kvflow.engine.inputs import cache_salt_of, render_chat
+from kvflow.engine.inputs import cache_salt_of, check_chat_options, render_chat
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
+from kvflow.entrypoints.openai.protocol import ChatMessage
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from kvflow.pooling.params import PoolingParams
@@ -176,12 +179,14 @@ class LLM:
         if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("messages: this model has no chat template; pass chat_template= or use generate() "
                              "with a plain prompt")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
-                raise ValueError("messages: every message needs 'role' and 'content' (or 'tool_calls')")
-        text = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
-                           chat_template_kwargs=chat_template_kwargs)
+        messages = [_template_message(i, m) for i, m in enumerate(conversation)]
+        check_chat_options(add_generation_prompt, continue_final_message)
+        try:
+            text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+        except Exception as exc:  # a template that does not parse, or rejects the conversation (roles out of order)
+            raise ValueError(f"messages: the chat template rejected the conversation: {exc}") from exc
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
@@ -206,6 +211,23 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[i] for i in ids]
+
+
+def _template_message(index: int, message: Any) -> dict[str, Any]:
+    """An OpenAI-style message as the chat template reads it, converted as the chat route does
+    (`ChatMessage.to_template_dict`: text parts joined, no content as "", `developer` as `system`,
+    earlier tool calls' JSON arguments as objects); keys the protocol does not know pass through."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}]: expected a dict with 'role' and 'content', got {type(message).__name__}")
+    if "content" not in message and "tool_calls" not in message:
+        raise ValueError(f"messages[{index}]: a message needs 'content' (or an assistant's 'tool_calls')")
+    try:
+        parsed = ChatMessage.model_validate(message)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'message'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"messages[{index}]: {problems}") from None
+    extra = {k: v for k, v in message.items() if k not in ChatMessage.model_fields}
+    return {**extra, **parsed.to_template_dict()}
 
 
 def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:

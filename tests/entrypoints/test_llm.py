@@ -184,3 +184,32 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(smollm2_fp32):
     out = smollm2_fp32.generate({"prompt_token_ids": too_long}, SamplingParams(truncate_prompt_tokens=100, **greedy),
                                 use_tqdm=False)[0]
     assert out.prompt_token_ids == too_long[-100:] and len(out.outputs[0].token_ids) == 6
+
+
+def test_chat_messages_are_read_as_the_chat_route_reads_them(smollm2_fp32):
+    """`LLM.chat` takes OpenAI-style messages as the server does: text parts, no content,
+    `developer`, an assistant's earlier tool calls; a malformed message is a ValueError naming it."""
+    render = smollm2_fp32.apply_chat_template
+    plain = render([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"}])
+    parts = render([{"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}])
+    assert parts == plain
+    template = ("{% for m in messages %}[{{ m.role }}|{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}|{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}]"
+                "{% endfor %}")
+    called = render([{"role": "user", "content": "Weather?"},
+                     {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                         "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                     {"role": "tool", "content": "sunny", "tool_call_id": "c1"}],
+                    add_generation_prompt=False, chat_template=template)
+    assert called["prompt"] == "[user|Weather?][assistant||weather(Oslo)][tool|sunny]"
+    assert render([{"role": "user", "content": None}], chat_template=template)["prompt"] == "[user|]"
+
+    with pytest.raises(ValueError, match=r"^messages\[1\]: role"):
+        render([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]: a message needs 'content'"):
+        render([{"role": "user"}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]: expected a dict"):
+        render(["hello"])
+    with pytest.raises(ValueError, match="^messages: the chat template rejected the conversation"):
+        render([{"role": "user", "content": "a"}], chat_template="{% for m in messages %}{{ m.content }")

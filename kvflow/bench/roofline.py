@@ -221,6 +221,12 @@ def describe(cost: ModelCost, ceilings, fractions: list[Fraction]) -> str:
     return "\n".join(lines)
 
 
+def compute_dtype(label: str) -> str:
+    """The activations' dtype of a result's numerics label (results.numerics_label): its first
+    part, "bfloat16" in "bfloat16, weights gguf (Q4_1, as shipped), KV int8"."""
+    return label.split(",", 1)[0].strip()
+
+
 def _unquantized_steps(speed: dict) -> list[list[int]]:
     """A result's steps for its floor, which counts weights and K/V in the compute dtype: none
     for quantized weights or KV (fewer bytes than it counts, so its floor would be too high)."""
@@ -253,7 +259,7 @@ def run(args: argparse.Namespace) -> list[Fraction]:
 
     speeds = [s for p in args.result for s in speeds_from_result(p)]
     cfg = load_model_config(resolve_model_path(args.model))
-    dtype = resolve_dtype(args.dtype or next((s["dtype"] for s in speeds if s.get("dtype")), "auto"), cfg)
+    dtype = resolve_dtype(args.dtype or next((compute_dtype(s["dtype"]) for s in speeds if s.get("dtype")), "auto"), cfg)
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     ceilings = measure([torch.float32, torch.bfloat16, dtype], args.matmul_size, args.bandwidth_mib, args.reps)
     cost = model_cost(cfg, dtype)

@@ -76,7 +76,9 @@ def test_ceiling_measurements_are_sane():
 def test_roofline_command(tiny_models, tmp_path, capsys):
     path, _ = tiny_models("llama")
     latency = tmp_path / "lat.json"
-    latency.write_text(json.dumps({"kind": "latency", "result": {"dtype": "float32", "input_len": 128,
+    # A result's dtype is its numerics label: the compute dtype comes first (results.numerics_label).
+    latency.write_text(json.dumps({"kind": "latency", "result": {"dtype": "float32, weights gguf (Q4_1, as shipped)",
+                                                                  "input_len": 128,
                                                                   "ttft": {"p50": 0.01}, "itl": {"p50": 0.002}}}))
     throughput = tmp_path / "tp.json"
     steps = [[90, 3, 1400, 90]] + [[3, 3, 300, 100]] * 9

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -229,6 +231,37 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig | None = N
     return _DTYPES[key]
 
 
+# What torch.manual_seed and torch.Generator.manual_seed take: a signed or unsigned 64-bit value.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(name: str, text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB' or a plain byte count -> bytes (K/M/G alone are binary);
+    ValueError naming the option otherwise."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{name}: not a size: {text!r} (use e.g. 4GiB, 512MiB or a number of bytes)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{name}: a size must be positive, got {text!r}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    """A real integer; bools are refused (`max_num_seqs=True` is a bug, not 1)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `kvflow serve` and the benchmarks pass to the engine."""
@@ -301,18 +334,33 @@ class EngineConfig:
         from kvflow.pooling.params import PoolerConfig
 
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Each plain option's type and range, named as the user spelled it: a wrong value must
+        fail here, not as a TypeError deep in the planner or a silently truthy string."""
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        for name in ("enable_prefix_caching", "quantize_lm_head", "enforce_eager", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if str(self.device).lower().split(":", 1)[0] not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not supported; choose auto, cpu or cuda")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        for name in ("memory_utilization", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and 0 < value <= 1):
+                raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
+        if isinstance(self.kv_cache_memory, str):  # "4GiB", as `--kv-cache-memory` takes it
+            self.kv_cache_memory = parse_size("kv_cache_memory", self.kv_cache_memory)
+        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory <= 0):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes or a size such as '4GiB', "
+                             f"got {self.kv_cache_memory!r}")
 
     @property
     def lora_config(self):

@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 
-from kvflow.config import EngineConfig
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+from kvflow.config import EngineConfig, parse_size
 
 
 def parse_bytes(text: str) -> int:
     """'4GiB', '512MiB', '1.5GB' or a plain byte count -> bytes (K/M/G alone are binary)."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4GiB, 512MiB or a number of bytes)")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+    try:
+        return parse_size("size", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("size: ")) from None
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

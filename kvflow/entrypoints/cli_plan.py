@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvflow.config import EngineConfig
-from kvflow.entrypoints.cli_args import add_model_args, parse_bytes
+from kvflow.entrypoints.cli_args import add_model_args, engine_config_from_args, parse_bytes
 
 
 def register_plan(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
     from kvflow.spec_decode.config import SpeculativeConfig
 
+    engine_config_from_args(args)  # the engine's own checks of every option, before any plan is printed
     path = resolve_model_path(args.model)
     cfg = load_model_config(path)
     dtype = resolve_dtype(args.dtype, cfg)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any, Mapping
 
+from kvflow.config import SEED_MAX, SEED_MIN  # beyond them a seed fails in the engine, not at admission
 from kvflow.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
@@ -28,9 +29,6 @@ MAX_LOGPROBS = 20
 # also refuses an n above its max_num_seqs, since the samples could never all run at once.
 MAX_N = 128
 
-# What torch.Generator.manual_seed takes (a signed or unsigned 64-bit value); beyond it the
-# request would fail inside the engine instead of at admission.
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def _is_int(value: object) -> bool:
@@ -199,8 +197,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, or -1 to disable, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
-            raise ValueError(f"seed must be an int in [{_SEED_MIN}, {_SEED_MAX}] or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,20 @@ def test_plan_options_and_errors(llama3_config, capsys):
     # too little memory for one sequence: a one-line error, exit status 2, no traceback
     assert cli.main(["plan", "--model", str(llama3_config), "--kv-cache-memory", "1MiB"]) == 2
     assert "kv_cache_memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--block-size", "0"], "block_size must be a positive integer, got 0"),
+    (["--block-size", "-5"], "block_size must be a positive integer, got -5"),
+    (["--max-model-len", "0", "-pp", "2"], "max_model_len must be a positive integer, got 0"),
+    (["-tp", "0"], "tensor_parallel_size must be a positive integer, got 0"),
+    (["--memory-utilization", "3"], r"memory_utilization must be a fraction in \(0, 1\], got 3.0"),
+])
+def test_plan_refuses_what_the_engine_refuses(llama3_config, capsys, flags, message):
+    """`kvflow plan` runs the engine's option checks: no ZeroDivisionError, no negative plan."""
+    assert cli.main(["plan", "--model", str(llama3_config), *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
 
 
 def test_parse_bytes():

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvflow.bench.args import at_least
 from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range, grounded_requests
 from kvflow.bench.metrics import Percentiles, percentiles, request_latency
@@ -108,15 +109,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output", help="write the result as JSON here")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.warmup_seed == args.dataset_seed:
+        raise ValueError("--warmup-seed must differ from --dataset-seed (warm-up must not see the timed prompts)")
+    at_least(args, 1, "num_iters", "input_len", "output_len")
+    at_least(args, 0, "num_iters_warmup")
+
+
 def run(config, args: argparse.Namespace) -> LatencyResult:
     import torch
 
     from kvflow.engine.llm_engine import LLMEngine
 
-    if args.warmup_seed == args.dataset_seed:
-        raise ValueError("--warmup-seed must differ from --dataset-seed (warm-up must not see the timed prompts)")
-    if args.num_iters < 1 or args.input_len < 1 or args.output_len < 1:
-        raise ValueError("--num-iters, --input-len and --output-len must be at least 1")
+    check_arguments(args)
     lora = None
     if args.lora_path is not None:
         from kvflow.lora.request import LoRARequest
@@ -132,6 +137,10 @@ def run(config, args: argparse.Namespace) -> LatencyResult:
     else:
         timed = prompts(args.dataset_seed, args.num_iters, args.input_len, token_range)
         warmup = prompts(args.warmup_seed, args.num_iters_warmup, args.input_len, token_range)
+    longest = max(map(len, timed + warmup)) + args.output_len
+    if longest > engine.max_model_len:  # the engine would cut the output short, and the ITL would count fewer tokens
+        raise ValueError(f"a prompt and its --output-len {args.output_len} take {longest} tokens, more than "
+                         f"max_model_len {engine.max_model_len}")
     seen = {tuple(p) for p in timed}
     for i, prompt in enumerate(warmup):
         if tuple(prompt) in seen:

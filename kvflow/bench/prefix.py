@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 
+from kvflow.bench.args import at_least
 from kvflow.bench.datasets import WORKLOAD_TOKEN_RANGE, fit_token_range, prefix_requests
 from kvflow.bench.throughput import ThroughputResult, run_kvflow
 
@@ -24,6 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-seed", type=int, default=2, help="prefix from default_rng(seed), suffixes from seed+1")
     g.add_argument("--warmup-seed", type=int, default=100)
     g.add_argument("--output", help="write both results and the ratios as JSON here")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    at_least(args, 1, "num_prompts", "prefix_len", "output_len")
+    at_least(args, 0, "suffix_len")
+    if not args.enable_prefix_caching:
+        raise ValueError("bench prefix runs with prefix caching off, then on, by design: leave out "
+                         "--no-enable-prefix-caching")
 
 
 def prefill_tokens_computed(result: ThroughputResult) -> int:

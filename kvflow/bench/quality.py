@@ -84,6 +84,14 @@ def score(llm, chunks: list[list[int]]) -> tuple[list[float], list[int]]:
     return logprobs, top1
 
 
+def _mode_config(config, mode: str):
+    """The engine options of one --modes entry (EngineConfig refuses an unknown method or KV dtype)."""
+    method, group, kv_dtype = parse_mode(mode)
+    return dataclasses.replace(config, quantization=method, kv_cache_dtype=kv_dtype,
+                               quantization_group_size=group if group is not None else
+                               (config.quantization_group_size if method in ("int8", "int4") else None))
+
+
 def run(config, args: argparse.Namespace) -> list[ModeQuality]:
     from kvflow import LLM
 
@@ -94,11 +102,8 @@ def run(config, args: argparse.Namespace) -> list[ModeQuality]:
     results: list[ModeQuality] = []
     baseline_top1: list[int] | None = None
     chunks = None
-    for mode in modes:
-        method, group, kv_dtype = parse_mode(mode)
-        mode_config = dataclasses.replace(config, quantization=method, kv_cache_dtype=kv_dtype,
-                                          quantization_group_size=group if group is not None else
-                                          (config.quantization_group_size if method in ("int8", "int4") else None))
+    mode_configs = [_mode_config(config, mode) for mode in modes]  # every mode checked before the first is scored
+    for mode, mode_config in zip(modes, mode_configs):
         llm = LLM(**{f.name: getattr(mode_config, f.name) for f in dataclasses.fields(mode_config)})
         if chunks is None:
             chunks = windows(llm.get_tokenizer().encode(text, add_special_tokens=False), args.window)

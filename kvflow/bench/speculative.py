@@ -26,6 +26,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from kvflow.bench.args import at_least
 from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import (WORKLOAD_TOKEN_RANGE, BenchRequest, fit_token_range, grounded_requests, jsonl_requests,
                                    random_like, random_requests)
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=None,
                    help="max tokens per request (default: 128; random: W-offline's 32..256 per request)")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
-    g.add_argument("--max-concurrency", type=int, default=1, help="1: batch 1, alternating engines; 0: all at once")
+    g.add_argument("--max-concurrency", type=int, default=1, help="requests in flight: 1 (default) is batch 1, alternating engines; 0 submits all at once")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else seeded sampling per request")
     g.add_argument("--dataset-seed", type=int, default=0)
     g.add_argument("--warmup-seed", type=int, default=100, help="another draw for the warm-up")
@@ -157,13 +158,19 @@ def _run(engine, requests: list[BenchRequest], args: argparse.Namespace, tag: st
     return time.perf_counter() - start, [tokens[i] for i in ids]
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    at_least(args, 1, "num_prompts", "output_len")
+    at_least(args, 0, "max_concurrency", "num_warmup")
+    if args.dataset == "jsonl" and not args.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path")
+
+
 def run(config, args: argparse.Namespace) -> SpecBenchResult:
     from kvflow.engine.llm_engine import LLMEngine
 
     if config.speculative_config is None:
         raise ValueError("bench speculative needs --speculative-config (the plain engine is the same without it)")
-    if args.max_concurrency < 0 or args.num_prompts < 1:
-        raise ValueError("--max-concurrency must be >= 0 and --num-prompts >= 1")
+    check_arguments(args)
     spec = LLMEngine(config)
     plain = LLMEngine(dataclasses.replace(config, speculative_config=None))
     vocab = spec.model_config.vocab_size

@@ -18,6 +18,7 @@ import json
 import time
 from dataclasses import asdict
 
+from kvflow.bench.args import at_least, ordered
 from kvflow.bench.machine import machine_info
 from kvflow.bench.datasets import (WORKLOAD_TOKEN_RANGE, BenchRequest, fit_token_range, grounded_requests, jsonl_requests,
                                    prefix_requests, random_like, random_requests)
@@ -155,6 +156,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat", type=int, default=1,
                    help="time N runs in one process, each on a fresh draw (dataset seed + 1000*i), and report "
                         "each run's throughput and resident memory: steady state and leaks")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    at_least(args, 1, "num_prompts", "repeat", "input_len_min", "output_len_min", "prefix_len", "baseline_batch_size")
+    at_least(args, 0, "suffix_len")
+    ordered(args, "input_len_min", "input_len_max")
+    ordered(args, "output_len_min", "output_len_max")
+    if args.dataset == "jsonl" and not args.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path")
 
 
 def run(config, args: argparse.Namespace) -> ThroughputResult:

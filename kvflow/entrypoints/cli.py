@@ -157,11 +157,24 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         if runs_engine:
             add_model_args(b)
             add_runtime_args(b)
-            b.set_defaults(func=lambda args, m=module: m.run(engine_config_from_args(args), args) and 0)
-        else:
-            b.set_defaults(func=lambda args, m=module: m.run(args) and 0)
+        b.set_defaults(func=lambda args, m=module, e=runs_engine: _run_bench(m, args, e))
         module.add_arguments(b)
     p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _run_bench(module, args: argparse.Namespace, runs_engine: bool) -> int:
+    """Check the bench's files and its own options (its `check_arguments`, where it has one)
+    before any model loads, then run it."""
+    from kvflow.bench.args import check_paths
+
+    check_paths(args)
+    if hasattr(module, "check_arguments"):
+        module.check_arguments(args)
+    if runs_engine:
+        module.run(engine_config_from_args(args), args)
+    else:
+        module.run(args)
+    return 0
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -198,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad options or model: one line, not a traceback
         print(f"kvflow {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file that is missing or cannot be written
+        print(f"kvflow {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from numbers import Integral
 from typing import Any
 
 from kvflow.sampling.params import check_truncate_prompt_tokens
@@ -35,7 +36,7 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, li
     """(the prompt's text if known, its token ids)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            return prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
@@ -43,10 +44,26 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, li
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can encode it
+            raise ValueError(f"prompt: the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, list):
-        return None, [int(t) for t in prompt]
+        return None, token_id_list(prompt)
     raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def token_id_list(ids: Any) -> list[int]:
+    """Token ids as a list of ints, from a list, tuple, numpy array or tensor of integers: a float
+    or a bool is refused, not truncated (1.9 is not token 1)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prompt: prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    for t in values:
+        if not isinstance(t, Integral) or isinstance(t, bool):
+            raise ValueError(f"prompt: token ids must be integers, got {t!r}")
+    return [int(t) for t in values]
 
 
 def cache_salt_of(prompt: PromptInput) -> str | None:

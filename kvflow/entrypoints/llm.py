@@ -234,6 +234,9 @@ def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput
     """One prompt (text, a prompt dict or a list of token ids) or a list of them, as a list."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts: expected a string, a list of token ids, a prompt dict or a list of these, "
+                         f"got {type(prompts).__name__}")
     return list(prompts)
 
 
@@ -241,10 +244,13 @@ def _one_per_prompt(params: Any, kind: type, num_prompts: int, name: str) -> lis
     """The same params for every prompt, or a list of exactly one per prompt."""
     if isinstance(params, kind):
         return [params] * num_prompts
-    params = list(params)
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, kind) for p in params):
+        raise ValueError(f"{name}: expected a {kind.__name__} or a list of them, got {type(params).__name__}"
+                         + (f" of {sorted({type(p).__name__ for p in params})}" if isinstance(params, (list, tuple))
+                            else ""))
     if len(params) != num_prompts:
         raise ValueError(f"{name}: got {len(params)} for {num_prompts} prompts; pass one or one per prompt")
-    return params
+    return list(params)
 
 
 def _progress(total: int, desc: str):

@@ -41,6 +41,17 @@ def test_generate_returns_vllm_shaped_outputs_in_order(smollm2_fp32):
         (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0), use_tqdm=False), "top_p"),
         (lambda llm: llm.generate(["a", "b"], [GREEDY], use_tqdm=False), "sampling_params"),
         (lambda llm: llm.chat([], GREEDY, use_tqdm=False), "messages"),
+        (lambda llm: llm.generate(5, GREEDY, use_tqdm=False), "^prompts: expected a string.*got int"),
+        (lambda llm: llm.generate(b"hello", GREEDY, use_tqdm=False), "^prompts: .*got bytes"),
+        (lambda llm: llm.generate({"prompt_token_ids": [1.0, 2.0]}, GREEDY, use_tqdm=False),
+         "^prompt: token ids must be integers, got 1.0"),
+        (lambda llm: llm.generate({"prompt_token_ids": [True, 2]}, GREEDY, use_tqdm=False),
+         "^prompt: token ids must be integers, got True"),
+        (lambda llm: llm.generate({"prompt_token_ids": "abc"}, GREEDY, use_tqdm=False),
+         "^prompt: prompt_token_ids must be a list of integers, got str"),
+        (lambda llm: llm.generate("abc\ud800", GREEDY, use_tqdm=False), "^prompt: the text is not valid Unicode"),
+        (lambda llm: llm.generate("hi", {"max_tokens": 2}, use_tqdm=False),
+         "^sampling_params: expected a SamplingParams or a list of them, got dict"),
     ],
 )
 def test_bad_input_names_the_parameter_and_engine_keeps_serving(smollm2_fp32, make, match):

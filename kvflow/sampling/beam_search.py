@@ -68,8 +68,16 @@ class BeamSearchOutput:
 
 
 def beam_score(seq: BeamSearchSequence, eos_token_ids: list[int], length_penalty: float) -> float:
+    """cum_logprob / length ** length_penalty, with IEEE's limits where the power leaves float range
+    (a length_penalty of 400 or -400): Python's float power raises instead."""
     length = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos_token_ids else 0)
-    return seq.cum_logprob / (length ** length_penalty)
+    try:
+        denominator = length ** length_penalty
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return -math.inf if seq.cum_logprob < 0 else 0.0
+    return seq.cum_logprob / denominator
 
 
 class BeamSearch:

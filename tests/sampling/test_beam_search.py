@@ -155,6 +155,15 @@ def test_score_leaves_a_final_eos_out_of_the_length():
     assert beam_score(BeamSearchSequence([5, 6, 7, 8], cum_logprob=-6.0), [EOS], 2.0) == -6.0 / 16
 
 
+@pytest.mark.parametrize(("length_penalty", "cum_logprob", "score"), [
+    (1000.0, -6.0, -0.0), (1e308, -6.0, -0.0), (-1000.0, -6.0, -math.inf), (-1000.0, 0.0, 0.0)])
+def test_score_at_powers_beyond_float_range(length_penalty, cum_logprob, score):
+    """4 ** 1000 overflows Python's float power (a 500 from the server before): the limit instead."""
+    from kvflow.sampling.beam_search import BeamSearchSequence, beam_score
+
+    assert beam_score(BeamSearchSequence([5, 6, 7, 8], cum_logprob=cum_logprob), [EOS], length_penalty) == score
+
+
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_state_machine_by_hand(include_stop):
     """Two steps of width 2 with EOS among the candidates: EOS ends a beam, the rest compete."""

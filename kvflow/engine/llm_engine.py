@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from numbers import Integral
 
 from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
 from kvflow.engine.batch_queue import BatchQueue
@@ -126,6 +127,8 @@ class LLMEngine:
         (`PoolingRequestOutput`, kvflow/pooling) and nothing is generated."""
         if request_id in self._requests or request_id in self.sample_groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not isinstance(priority, Integral) or isinstance(priority, bool) or not -(1 << 63) <= priority < 1 << 63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         pooling = None
         if isinstance(params, PoolingParams):
             cfg = self.model_config

@@ -40,8 +40,12 @@ def _is_number(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
 
 
+# The largest count a request may carry: the engine core's wire (msgpack) packs 64-bit integers.
+INT64_MAX = (1 << 63) - 1
+
+
 def check_truncate_prompt_tokens(value: object) -> None:
-    if value is not None and (not _is_int(value) or not (value >= 1 or value == -1)):
+    if value is not None and (not _is_int(value) or not (1 <= value <= INT64_MAX or value == -1)):
         raise ValueError(f"truncate_prompt_tokens must be a positive int or -1 (max_model_len), got {value!r}")
 
 
@@ -193,8 +197,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, or -1 to disable, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be in [0, {INT64_MAX}], or -1 to disable, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
@@ -205,10 +209,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+            raise ValueError(f"max_tokens must be in [1, {INT64_MAX}] or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise ValueError(f"min_tokens must be in [0, {INT64_MAX}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"

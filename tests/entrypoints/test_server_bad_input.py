@@ -132,6 +132,15 @@ def test_seed_int64_range_is_served(http, seed):
     assert http.post(CMPL, json=body).status_code == 200
 
 
+@pytest.mark.parametrize("field", ["top_k", "priority", "truncate_prompt_tokens", "min_tokens"])
+@pytest.mark.parametrize("value", [2**64, 2**70], ids=["2^64", "2^70"])
+def test_counts_beyond_64_bits_name_their_field(http, field, value):
+    """The engine core's wire packs 64-bit integers: a bigger count is refused by name in every
+    engine mode (the split core blamed `prompt`, the in-process engine took it)."""
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, field: value}
+    refused(http.post(CMPL, json=body), field)
+
+
 # ---- bodies that are not the JSON they should be --------------------------------------------
 @pytest.mark.parametrize("raw", [
     b"{not json", b"", b"[]", b"null", b'"a string"', b'{"model": "x", "prompt": "hi"',

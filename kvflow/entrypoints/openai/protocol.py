@@ -69,7 +69,7 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)] = 0  # the engine core's wire: 64 bits
     prompt_logprobs: int | None = None  # vLLM's extension: score the prompt's own tokens
     # vLLM's field for prefill/decode disaggregation, set by `kvflow router --prefill/--decode`
     # (do_remote_decode for the prefill instance; do_remote_prefill + remote_kv_addr for the decode one).

@@ -7,7 +7,9 @@ every one the engine holds no request and every KV block is back in the pool. On
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 
 import pytest
 
@@ -216,6 +218,62 @@ def test_body_over_the_limit_is_refused_before_it_is_read(live_server):
             assert refused(r, None, 413, str(limit))["code"] == "request_too_large"
         small = {"model": MODEL_NAME, "prompt": "x" * 100, "max_tokens": 2}
         assert c.post(CMPL, json=small).status_code == 200  # under the limit: served
+
+
+# ---- prompts of megabytes --------------------------------------------------------------------
+HUGE = "hello world " * 200_000  # 2.4 MB, 400,001 tokens: whole, about a second and a half to tokenize
+
+
+@pytest.mark.parametrize("path,field", [(CMPL, "prompt"), (CHATP, "messages")])
+def test_a_megabyte_prompt_is_refused_on_its_head(http, path, field):
+    """Counted on its first 16 x 2048 characters (OpenAIServer.encode), not tokenized whole."""
+    body = {"model": MODEL_NAME, "max_tokens": 2}
+    body.update({"prompt": HUGE} if path == CMPL else {"messages": [{"role": "user", "content": HUGE}]})
+    err = refused(http.post(path, json=body), field, 400, "maximum context length is 2048 tokens",
+                  "characters alone are")
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_a_megabyte_prompt_is_tokenized_whole_where_asked(http):
+    """truncate_prompt_tokens keeps the last tokens of the whole text; /tokenize counts it all."""
+    body = {"model": MODEL_NAME, "prompt": HUGE, "max_tokens": 2, "truncate_prompt_tokens": 100}
+    r = http.post(CMPL, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 100
+    r = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": HUGE})
+    assert r.status_code == 200 and r.json()["count"] == 400_001  # "hello" and " world" each time, then " "
+
+
+def test_tokenizing_leaves_the_event_loop_free(live_server, http):
+    """A prompt is tokenized off the event loop: while one is held inside the tokenizer, /health
+    still answers (on the loop it would wait for the tokenizer, and this test would fail)."""
+    engine = live_server.engine.engine
+    real = engine.tokenizer
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldTokenizer:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, text, *args, **kwargs):
+            if text == "hold this prompt":
+                entered.set()
+                release.wait(60)
+            return real(text, *args, **kwargs)
+
+    engine.tokenizer = HeldTokenizer()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                httpx.Client(base_url=live_server.base_url, headers=live_server.headers, timeout=10) as other:
+            pending = pool.submit(http.post, CMPL, json={"model": MODEL_NAME, "prompt": "hold this prompt",
+                                                         "max_tokens": 2})
+            assert entered.wait(30)
+            assert other.get("/health").status_code == 200
+            release.set()
+            assert pending.result(60).status_code == 200
+    finally:
+        release.set()
+        engine.tokenizer = real
 
 
 def test_good_request_still_served_after_abuse(live_server, http, offline_llm):

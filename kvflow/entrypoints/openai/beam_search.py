@@ -12,6 +12,7 @@ disaggregation) is refused by name rather than ignored.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -79,7 +80,8 @@ def _usage(prompts: list[list[int]], results: list[BeamSearchOutput]) -> p.Usage
 
 async def completion(server: "OpenAIServer", body: p.CompletionRequest, raw: Request, lora: Any,
                      model: str) -> Response:
-    prompts = [server.tokenize_prompt(prompt, body.truncate_prompt_tokens)[1] for prompt in c.prompt_list(body.prompt)]
+    prompts = await asyncio.to_thread(lambda: [server.tokenize_prompt(prompt, body.truncate_prompt_tokens)[1]
+                                               for prompt in c.prompt_list(body.prompt)])
     params = [beam_search_params(body, len(ids), server.engine.max_model_len) for ids in prompts]
     width = params[0].beam_width
     c.check_best_of(body.best_of, width)
@@ -94,7 +96,7 @@ async def completion(server: "OpenAIServer", body: p.CompletionRequest, raw: Req
 
 async def chat(server: "OpenAIServer", body: p.ChatCompletionRequest, raw: Request, lora: Any,
                model: str) -> Response:
-    _, ids = server.chat_prompt(body)
+    _, ids = await asyncio.to_thread(server.chat_prompt, body)
     params = beam_search_params(body, len(ids), server.engine.max_model_len)
     result, = await run_beam_search(server, [ids], [params], body, raw, lora)
     choices = [p.ChatChoice(index=j, message=p.ChatResponseMessage(content=seq.text or ""),

@@ -9,6 +9,7 @@ little-endian float32 bytes. `dimensions` cuts a Matryoshka model's vector (othe
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -74,7 +75,7 @@ def register_embeddings(app: FastAPI, server: "OpenAIServer") -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         lora, model = server.check_model(body.model), server.models.response_name(body.model)
-        prompts = _prompts(server, body)
+        prompts = await asyncio.to_thread(_prompts, server, body)
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
         _, streams = await c.submit_all(server.engine, "embd", prompts, [params] * len(prompts), body, lora)
         outs: list[PoolingRequestOutput] = await c.gather_all(
@@ -106,7 +107,8 @@ def _prompts(server: "OpenAIServer", body: EmbeddingRequest) -> list[tuple[str |
     for item in inputs:
         if isinstance(item, str) and body.add_special_tokens is False and tok is not None:
             check_text(item, "input")
-            prompts.append(truncate_prompt(item, tok(item, add_special_tokens=False).input_ids, keep, limit))
+            ids = server.encode(item, "input", keep is None, add_special_tokens=False)
+            prompts.append(truncate_prompt(item, ids, keep, limit))
         else:
             prompts.append(server.tokenize_prompt(item, keep))
     for _, ids in prompts:

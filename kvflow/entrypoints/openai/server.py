@@ -46,6 +46,10 @@ from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
+# A prompt text longer than this many characters per token of context is counted on its head first
+# (OpenAIServer.encode); English runs about 4 characters a token. The margin covers the tokens a
+# cut can split or merge.
+HEAD_CHARS_PER_TOKEN, HEAD_MARGIN_TOKENS = 16, 64
 logger = logging.getLogger("kvflow")
 
 
@@ -62,19 +66,40 @@ class OpenAIServer:
         """The LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
         return self.models.resolve(model)
 
-    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None) -> tuple[str | None, list[int]]:
+    # Routes call the two below through asyncio.to_thread: the tokenizer lets go of the GIL, so a
+    # long prompt's tokenization does not stall every other stream and /health.
+    def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None,
+                        bounded: bool = True) -> tuple[str | None, list[int]]:
         """The prompt's ids, as LLMEngine.tokenize makes them (so results match LLM.generate), cut to
         its last `keep` tokens (truncate_prompt_tokens) before anything checks its length."""
         if isinstance(prompt, list):
             return truncate_prompt(None, [int(t) for t in prompt], keep, self.engine.max_model_len)
-        tok = self.engine.tokenizer
-        if tok is None:
+        if self.engine.tokenizer is None:
             raise p.InvalidRequestError("prompt: this model has no tokenizer; send token ids", param="prompt")
         check_text(prompt, "prompt")
-        return truncate_prompt(prompt, tok(prompt).input_ids, keep, self.engine.max_model_len)
+        ids = self.encode(prompt, "prompt", bounded and keep is None)
+        return truncate_prompt(prompt, ids, keep, self.engine.max_model_len)
 
-    def chat_prompt(self, body: p.ChatCompletionRequest,
-                    add_special_tokens: bool = False) -> tuple[str | None, list[int]]:
+    def encode(self, text: str, param: str, bounded: bool, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids. `bounded` (a prompt that must fit the context): a text of more than
+        HEAD_CHARS_PER_TOKEN characters per token of context is first counted on its head, cut at a
+        space, where its tokens are the whole text's first ones; a head already past the context is
+        refused then, so a multi-megabyte prompt costs a fraction of a second, not the 79 s that
+        tokenizing 24 MiB took before its 400."""
+        tok, limit = self.engine.tokenizer, self.engine.max_model_len
+        head = HEAD_CHARS_PER_TOKEN * limit
+        if bounded and len(text) > head:
+            cut = text.rfind(" ", head // 2, head)
+            cut = head if cut < 0 else cut
+            count = len(tok(text[:cut], add_special_tokens=add_special_tokens).input_ids)
+            if count > limit + HEAD_MARGIN_TOKENS:  # the margin: merges across the cut, in any tokenizer
+                raise p.InvalidRequestError(
+                    f"This model's maximum context length is {limit} tokens, but the prompt is longer: its "
+                    f"first {cut:,} characters alone are {count:,} tokens.", param=param, code="context_length_exceeded")
+        return tok(text, add_special_tokens=add_special_tokens).input_ids
+
+    def chat_prompt(self, body: p.ChatCompletionRequest, add_special_tokens: bool = False,
+                    bounded: bool = True) -> tuple[str | None, list[int]]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
@@ -89,8 +114,9 @@ class OpenAIServer:
             raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
                                         param="messages") from exc
         check_text(text, "messages")
-        return truncate_prompt(text, tok(text, add_special_tokens=add_special_tokens).input_ids,
-                               getattr(body, "truncate_prompt_tokens", None), self.engine.max_model_len)
+        keep = getattr(body, "truncate_prompt_tokens", None)
+        ids = self.encode(text, "messages", bounded and keep is None, add_special_tokens)
+        return truncate_prompt(text, ids, keep, self.engine.max_model_len)
 
     def sampling_params(self, body: p.SamplingRequest, prompt_len: int) -> SamplingParams:
         """The request's sampling fields; those it leaves unset take the model's defaults."""
@@ -165,7 +191,8 @@ class OpenAIServer:
         lora, model = self.check_model(body.model), self.models.response_name(body.model)
         if body.use_beam_search:
             return await beam_search.completion(self, body, raw, lora, model)
-        prompts = [self.tokenize_prompt(prompt, body.truncate_prompt_tokens) for prompt in c.prompt_list(body.prompt)]
+        prompts = await asyncio.to_thread(lambda: [self.tokenize_prompt(prompt, body.truncate_prompt_tokens)
+                                                   for prompt in c.prompt_list(body.prompt)])
         params = [self.sampling_params(body, len(ids)) for _, ids in prompts]
         c.check_best_of(body.best_of, params[0].n)
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs: the engine scores it
@@ -249,7 +276,7 @@ class OpenAIServer:
         if body.use_beam_search:
             return await beam_search.chat(self, body, raw, lora, model)
         body.use_tool_parser(self.tool_parser)
-        text, ids = self.chat_prompt(body)
+        text, ids = await asyncio.to_thread(self.chat_prompt, body)
         params = self.sampling_params(body, len(ids))
         with structured_output_errors(body.structured_output_field):  # a constraint that does not compile: 400
             _, (stream,) = await c.submit_all(self.engine, "chatcmpl", [(text, ids)], [params], body, lora)

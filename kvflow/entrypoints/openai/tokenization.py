@@ -9,6 +9,7 @@ turns token ids back into text. Both need the API key when the server has one, a
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -65,23 +66,25 @@ def register_tokenization(app: FastAPI, server: "OpenAIServer") -> None:
             raise p.InvalidRequestError("this model has no tokenizer: it takes and gives token ids only")
         return tok
 
+    def token_ids(body: TokenizeRequest) -> list[int]:
+        """The ids the generating route would give the model, counted whole however long (no
+        context check: answering how far past it a prompt goes is this route's job)."""
+        if body.messages is not None:
+            if not body.messages:
+                raise p.InvalidRequestError("messages: the conversation is empty", param="messages")
+            return server.chat_prompt(body, add_special_tokens=bool(body.add_special_tokens), bounded=False)[1]
+        if body.add_special_tokens is False:
+            check_text(body.prompt, "prompt")
+            return server.encode(body.prompt, "prompt", bounded=False, add_special_tokens=False)
+        return server.tokenize_prompt(body.prompt, bounded=False)[1]
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         server.check_model(body.model)
         tok = tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise p.InvalidRequestError("give either `prompt` or `messages`, not both or neither", param="prompt")
-        if body.messages is not None:
-            if not body.messages:
-                raise p.InvalidRequestError("messages: the conversation is empty", param="messages")
-            text, ids = server.chat_prompt(body)
-            if body.add_special_tokens:
-                ids = tok(text, add_special_tokens=True).input_ids
-        elif body.add_special_tokens is False:
-            check_text(body.prompt, "prompt")
-            ids = tok(body.prompt, add_special_tokens=False).input_ids
-        else:
-            ids = server.tokenize_prompt(body.prompt)[1]
+        ids = await asyncio.to_thread(token_ids, body)  # off the event loop, as the generating routes do
         strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
         out = TokenizeResponse(count=len(ids), max_model_len=server.engine.max_model_len, tokens=ids, token_strs=strs)
         return Response(out.model_dump_json(), media_type="application/json")

@@ -234,6 +234,13 @@ class LLMEngine:
         separately once its prompt is computed)."""
         return len(self.sample_groups.request_ids(self.scheduler.waiting, self._requests))
 
+    def num_waiting_for_a_slot(self) -> int:
+        """Waiting requests beyond the batch's free slots (max_num_seqs less the running sequences):
+        those the next step cannot admit for want of a slot, the server's measure of overload. A
+        burst into an idle engine waits only until that step, and is not a queue."""
+        free = max(0, self.scheduler.config.max_num_seqs - len(self.scheduler.running))
+        return max(0, self.num_waiting_requests() - free)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self.batch_queue is not None and self.batch_queue.busy)
 

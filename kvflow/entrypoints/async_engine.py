@@ -71,8 +71,8 @@ class _AbortCommand:
 class AsyncEngine:
     """Runs an `LLMEngine` on its own thread and serves many concurrent asyncio callers.
 
-    `max_waiting` bounds the scheduler's waiting queue: a request that would make it longer
-    is refused with `EngineOverloadedError` (HTTP 503 + Retry-After) instead of queueing
+    `max_waiting` bounds the requests waiting for a batch slot (the waiting queue beyond the free
+    slots): a request that would make them more is refused with `EngineOverloadedError` (HTTP 503 + Retry-After) instead of queueing
     without limit while every client times out.
     """
 
@@ -296,7 +296,7 @@ class AsyncEngine:
             return
         try:
             if self.max_waiting is not None:  # requests, not sequences: n samples are one request
-                waiting = self.engine.num_waiting_requests()
+                waiting = self.engine.num_waiting_for_a_slot()
                 if waiting >= self.max_waiting:
                     raise EngineOverloadedError(waiting, self.max_waiting)
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority,

@@ -310,9 +310,15 @@ def test_metrics(live_server, http):
 
 
 # ---- wire models and streaming helpers (no server) ------------------------------------------
-def test_max_tokens_defaults_to_remaining_context():
+def test_max_tokens_defaults():
+    """Completions: 16 when absent (OpenAI's and vLLM's default), the rest of the context for an
+    explicit null; chat: the rest of the context, as vLLM does."""
     req = p.CompletionRequest(prompt="hi", unknown_field=1)
-    assert req.to_sampling_params(prompt_len=48, max_model_len=2048).max_tokens == 2000
+    assert req.to_sampling_params(prompt_len=48, max_model_len=2048).max_tokens == 16
+    assert req.to_sampling_params(prompt_len=2040, max_model_len=2048).max_tokens == 8  # what fits
+    assert p.CompletionRequest(prompt="hi", max_tokens=None).to_sampling_params(48, 2048).max_tokens == 2000
+    chat = p.ChatCompletionRequest(messages=[{"role": "user", "content": "a"}])
+    assert chat.to_sampling_params(48, 2048).max_tokens == 2000
     with pytest.raises(p.InvalidRequestError, match="2048"):
         p.CompletionRequest(prompt="hi", max_tokens=2001).to_sampling_params(48, 2048)
     with pytest.raises(p.InvalidRequestError):

@@ -9,7 +9,7 @@ that the JSON shape (including the `null`s clients key on) is defined in one pla
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Callable, Literal, Mapping
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -45,6 +45,7 @@ class StreamOptions(OpenAIModel):
 class SamplingRequest(OpenAIModel, StructuredOutputFields):
     """Fields shared by /v1/completions and /v1/chat/completions (and response_format/structured_outputs)."""
 
+    absent_max_tokens: ClassVar[int | None] = None  # chat: until the context is full, as in vLLM
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -102,7 +103,8 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
 
         A field the request leaves out (or sends as null) takes the model's sampling default
         from `defaults` (generation_config), else SamplingParams' own. An absent max_tokens
-        means "until the context is full", as in vLLM, capped by a model default max_tokens;
+        means the model's default max_tokens, else `absent_max_tokens` (completions: 16), else
+        "until the context is full", as in vLLM (an explicit null skips `absent_max_tokens`);
         an explicit one that cannot fit next to the prompt is refused up front with both
         numbers, rather than silently truncated.
         """
@@ -118,7 +120,8 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
         max_tokens = self.requested_max_tokens()
         name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is None:
-            max_tokens = min(room, defaults.get("max_tokens") or room)
+            absent = self.absent_max_tokens if "max_tokens" not in self.model_fields_set else None
+            max_tokens = min(room, defaults.get("max_tokens") or absent or room)
         elif max_tokens < 1:
             raise InvalidRequestError(f"{name} must be at least 1, got {max_tokens}", param=name)
         elif max_tokens > room:
@@ -165,6 +168,7 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt or a batch (choices.prompt_list)
+    absent_max_tokens: ClassVar[int | None] = 16  # OpenAI's and vLLM's default for completions
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None  # only None or n: every sample drawn is returned (choices.check_best_of)

@@ -10,6 +10,7 @@ import copy
 import functools
 import glob
 import os
+import re
 from typing import Any
 
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -84,3 +85,32 @@ def _built_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
     if isinstance(template, str) and tok.chat_template != template:
         tok.chat_template = template  # transformers copies it today; make sure it always does
     return tok
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet read back: each of its 256 characters to the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's own bytes, which may be part of a UTF-8 character (an emoji is often three
+    tokens): OpenAI's logprobs `bytes`, from which a client rebuilds such a character. Decoding
+    the token alone gives U+FFFD for those. Byte-level BPE pieces map back through their
+    alphabet, SentencePiece's byte fallback <0xNN> is its byte; anything else is its text."""
+    from tokenizers import decoders
+
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    fallback = _BYTE_FALLBACK.fullmatch(piece or "")
+    if fallback:
+        return bytes.fromhex(fallback.group(1))
+    alphabet = _byte_level_alphabet()
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if isinstance(decoder, decoders.ByteLevel) and piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode("utf-8")

@@ -226,7 +226,7 @@ HUGE = "hello world " * 200_000  # 2.4 MB, 400,001 tokens: whole, about a second
 
 @pytest.mark.parametrize("path,field", [(CMPL, "prompt"), (CHATP, "messages")])
 def test_a_megabyte_prompt_is_refused_on_its_head(http, path, field):
-    """Counted on its first 16 x 2048 characters (OpenAIServer.encode), not tokenized whole."""
+    """Counted on its first 16 x 2048 characters (prompt_ids.encode), not tokenized whole."""
     body = {"model": MODEL_NAME, "max_tokens": 2}
     body.update({"prompt": HUGE} if path == CMPL else {"messages": [{"role": "user", "content": HUGE}]})
     err = refused(http.post(path, json=body), field, 400, "maximum context length is 2048 tokens",

@@ -62,14 +62,15 @@ def joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionL
                               tokens=first.tokens + second.tokens, top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: TokenDecoder) -> ChatLogprobs:
-    """The chat shape: one object per token, with its UTF-8 bytes and its top alternatives."""
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], k: int, decode: TokenDecoder,
+                  to_bytes: Callable[[int], bytes]) -> ChatLogprobs:
+    """The chat shape: one object per token, with its own bytes (loader.tokenizer.token_bytes: part
+    of a character where the token is) and its top alternatives."""
     content = []
     for tid, entry in zip(token_ids, logprobs):
-        token = decode(tid)
-        tops = [TopLogprob(token=decode(t), logprob=lp, bytes=list(decode(t).encode("utf-8"))) for t, lp in top_logprobs(entry, k)]
-        content.append(ChatLogprobToken(token=token, logprob=finite(entry.get(tid, LOGPROB_FLOOR)),
-                                        bytes=list(token.encode("utf-8")), top_logprobs=tops))
+        tops = [TopLogprob(token=decode(t), logprob=lp, bytes=list(to_bytes(t))) for t, lp in top_logprobs(entry, k)]
+        content.append(ChatLogprobToken(token=decode(tid), logprob=finite(entry.get(tid, LOGPROB_FLOOR)),
+                                        bytes=list(to_bytes(tid)), top_logprobs=tops))
     return ChatLogprobs(content=content)
 
 

@@ -23,10 +23,11 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from kvflow.engine.inputs import check_chat_options, render_chat, truncate_prompt
+from kvflow.engine.inputs import truncate_prompt
 from kvflow.entrypoints.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from kvflow.entrypoints.openai import beam_search
 from kvflow.entrypoints.openai import choices as c
+from kvflow.entrypoints.openai import prompt_ids
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.adapters import ServedModels, register_adapter_routes, runtime_updating_allowed
 from kvflow.entrypoints.openai.auth import APIKeyMiddleware
@@ -41,15 +42,12 @@ from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvflow.entrypoints.openai.streaming import TextStreamer, sse, sse_response  # noqa: F401 (TextStreamer: re-exported)
 from kvflow.entrypoints.openai.tokenization import register_tokenization
 from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
+from kvflow.loader.tokenizer import token_bytes
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
-# A prompt text longer than this many characters per token of context is counted on its head first
-# (OpenAIServer.encode); English runs about 4 characters a token. The margin covers the tokens a
-# cut can split or merge.
-HEAD_CHARS_PER_TOKEN, HEAD_MARGIN_TOKENS = 16, 64
 logger = logging.getLogger("kvflow")
 
 
@@ -60,14 +58,14 @@ class OpenAIServer:
         self.engine, self.models, self.metrics = engine, models, metrics  # models: the base and its adapters
         self.tool_parser = tool_parser  # reads the calls of tool_choice "auto" (tool_parsers.py); None: refused
         self.decode_token = functools.lru_cache(maxsize=1 << 16)(self._decode_token)  # logprobs repeat tokens
+        self.token_bytes = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
 
     # ---- request preparation -----------------------------------------------------------------
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
         return self.models.resolve(model)
 
-    # Routes call the two below through asyncio.to_thread: the tokenizer lets go of the GIL, so a
-    # long prompt's tokenization does not stall every other stream and /health.
+    # Routes call these through asyncio.to_thread (prompt_ids.py says why).
     def tokenize_prompt(self, prompt: str | list[int], keep: int | None = None,
                         bounded: bool = True) -> tuple[str | None, list[int]]:
         """The prompt's ids, as LLMEngine.tokenize makes them (so results match LLM.generate), cut to
@@ -81,39 +79,12 @@ class OpenAIServer:
         return truncate_prompt(prompt, ids, keep, self.engine.max_model_len)
 
     def encode(self, text: str, param: str, bounded: bool, add_special_tokens: bool = True) -> list[int]:
-        """The text's ids. `bounded` (a prompt that must fit the context): a text of more than
-        HEAD_CHARS_PER_TOKEN characters per token of context is first counted on its head, cut at a
-        space, where its tokens are the whole text's first ones; a head already past the context is
-        refused then, so a multi-megabyte prompt costs a fraction of a second, not the 79 s that
-        tokenizing 24 MiB took before its 400."""
-        tok, limit = self.engine.tokenizer, self.engine.max_model_len
-        head = HEAD_CHARS_PER_TOKEN * limit
-        if bounded and len(text) > head:
-            cut = text.rfind(" ", head // 2, head)
-            cut = head if cut < 0 else cut
-            count = len(tok(text[:cut], add_special_tokens=add_special_tokens).input_ids)
-            if count > limit + HEAD_MARGIN_TOKENS:  # the margin: merges across the cut, in any tokenizer
-                raise p.InvalidRequestError(
-                    f"This model's maximum context length is {limit} tokens, but the prompt is longer: its "
-                    f"first {cut:,} characters alone are {count:,} tokens.", param=param, code="context_length_exceeded")
-        return tok(text, add_special_tokens=add_special_tokens).input_ids
+        return prompt_ids.encode(self.engine.tokenizer, text, param, self.engine.max_model_len, bounded,
+                              add_special_tokens)
 
     def chat_prompt(self, body: p.ChatCompletionRequest, add_special_tokens: bool = False,
                     bounded: bool = True) -> tuple[str | None, list[int]]:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise p.InvalidRequestError("messages: this model has no chat template; use /v1/completions",
-                                        param="messages")
-        conversation = [m.to_template_dict() for m in body.messages]
-        check_chat_options(body.add_generation_prompt, body.continue_final_message)  # a 400 naming that field
-        try:
-            text = render_chat(tok, conversation, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message, tools=body.template_tools(),
-                               chat_template_kwargs=body.chat_template_kwargs)
-        except Exception as exc:  # a template that rejects the conversation (roles out of order, ...)
-            raise p.InvalidRequestError(f"messages: the chat template rejected the conversation: {exc}",
-                                        param="messages") from exc
-        check_text(text, "messages")
+        text = prompt_ids.chat_text(self.engine.tokenizer, body)
         keep = getattr(body, "truncate_prompt_tokens", None)
         ids = self.encode(text, "messages", bounded and keep is None, add_special_tokens)
         return truncate_prompt(text, ids, keep, self.engine.max_model_len)
@@ -127,6 +98,10 @@ class OpenAIServer:
         if tok is None:  # a model without a tokenizer: name tokens by id, as vLLM's token-id mode does
             return f"token_id:{token_id}"
         return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        tok = self.engine.tokenizer
+        return self._decode_token(token_id).encode("utf-8") if tok is None else token_bytes(tok, token_id)
 
     # ---- consuming a request's outputs --------------------------------------------------------
     async def outputs(self, stream: RequestStream, raw: Request) -> AsyncIterator[RequestOutput]:
@@ -287,7 +262,8 @@ class OpenAIServer:
         for comp in out.outputs:  # n samples, in index order
             logprobs = None
             if params.logprobs is not None:
-                logprobs = chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token)
+                logprobs = chat_logprobs(comp.token_ids, comp.logprobs or [], params.logprobs, self.decode_token,
+                                          self.token_bytes)
             content, calls, reason = shape.message(comp.text, comp.finish_reason)
             choices.append(p.ChatChoice(index=comp.index, message=p.ChatResponseMessage(content=content, tool_calls=calls),
                                         logprobs=logprobs, finish_reason=reason, stop_reason=comp.stop_reason))
@@ -318,7 +294,7 @@ class OpenAIServer:
                     state = states.get(0, comp.index)
                     was_done = state.done
                     delta, ids, lps = state.advance(comp)
-                    logprobs = chat_logprobs(ids, lps, k, self.decode_token) if k is not None and ids else None
+                    logprobs = chat_logprobs(ids, lps, k, self.decode_token, self.token_bytes) if k is not None and ids else None
                     content, tool_calls = shaped[comp.index].delta(delta)
                     if content or tool_calls or logprobs is not None:
                         yield chunk([p.ChatStreamChoice(index=comp.index, logprobs=logprobs,

@@ -136,6 +136,11 @@ class SamplingParams:
         """The fields the caller set; the rest hold vLLM's defaults and yield to a model's."""
         return frozenset(self.__dict__.get("_explicit", ()))
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's `SamplingParams.clone`): changing its lists or constraint leaves this
+        one alone; the fields the caller set stay explicit."""
+        return copy.deepcopy(self)
+
     def with_defaults(self, defaults: Mapping[str, Any]) -> "SamplingParams":
         """A copy whose fields the caller did not set take `defaults` (self if nothing changes).
 

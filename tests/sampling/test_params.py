@@ -183,3 +183,14 @@ def test_copies_track_their_own_explicit_fields() -> None:
     assert original.explicit_fields == {"temperature"} and shallow.explicit_fields == {"temperature", "top_p"}
     for clone in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
         assert clone == original and clone.explicit_fields == {"temperature"}
+
+
+def test_clone_is_deep_and_keeps_the_explicit_fields():
+    """vLLM's SamplingParams.clone: a copy to change without touching the original."""
+    params = SamplingParams(temperature=0.5, stop=["END"], stop_token_ids=[7])
+    twin = params.clone()
+    twin.stop.append("STOP")
+    twin.stop_token_ids.append(8)
+    assert params.stop == ["END"] and params.stop_token_ids == [7]
+    assert twin.explicit_fields == params.explicit_fields and "temperature" in twin.explicit_fields
+    assert twin.with_defaults({"temperature": 0.2, "top_p": 0.9}).top_p == 0.9

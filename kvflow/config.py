@@ -252,13 +252,13 @@ def parse_size(name: str, text: str) -> int:
     return value
 
 
-def _is_int(value: object) -> bool:
-    """A real integer; bools are refused (`max_num_seqs=True` is a bug, not 1)."""
+def is_int(value: object) -> bool:
+    """A real integer (Python's, numpy's); bools are refused (`max_num_seqs=True` is a bug, not 1)."""
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _check_positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -344,7 +344,7 @@ class EngineConfig:
         for name in ("max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        if not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX:
+        if not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         for name in ("enable_prefix_caching", "quantize_lm_head", "enforce_eager", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
@@ -358,7 +358,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
         if isinstance(self.kv_cache_memory, str):  # "4GiB", as `--kv-cache-memory` takes it
             self.kv_cache_memory = parse_size("kv_cache_memory", self.kv_cache_memory)
-        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory <= 0):
+        if self.kv_cache_memory is not None and (not is_int(self.kv_cache_memory) or self.kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes or a size such as '4GiB', "
                              f"got {self.kv_cache_memory!r}")
 

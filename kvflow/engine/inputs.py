@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-from numbers import Integral
 from typing import Any
 
+from kvflow.config import is_int
 from kvflow.sampling.params import check_truncate_prompt_tokens
 
 logger = logging.getLogger("kvflow")
@@ -61,7 +61,7 @@ def token_id_list(ids: Any) -> list[int]:
         raise ValueError(f"prompt: prompt_token_ids must be a list of integers, got {type(ids).__name__}")
     values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     for t in values:
-        if not isinstance(t, Integral) or isinstance(t, bool):
+        if not is_int(t):
             raise ValueError(f"prompt: token ids must be integers, got {t!r}")
     return [int(t) for t in values]
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from numbers import Integral
 
-from kvflow.config import EngineConfig, ModelConfig, resolve_dtype, resolve_max_model_len
+from kvflow.config import EngineConfig, ModelConfig, is_int, resolve_dtype, resolve_max_model_len
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads
 from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt, load_tokenizer_or_none, tokenize_prompt,
@@ -127,7 +126,7 @@ class LLMEngine:
         (`PoolingRequestOutput`, kvflow/pooling) and nothing is generated."""
         if request_id in self._requests or request_id in self.sample_groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if not isinstance(priority, Integral) or isinstance(priority, bool) or not -(1 << 63) <= priority < 1 << 63:
+        if not is_int(priority) or not -(1 << 63) <= priority < 1 << 63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         pooling = None
         if isinstance(params, PoolingParams):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, fields
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any, Mapping
 
-from kvflow.config import SEED_MAX, SEED_MIN  # beyond them a seed fails in the engine, not at admission
+from kvflow.config import SEED_MAX, SEED_MIN, is_int  # beyond them a seed fails in the engine, not at admission
 from kvflow.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
@@ -31,11 +31,6 @@ MAX_N = 128
 
 
 
-def _is_int(value: object) -> bool:
-    """True for real integers; bools are rejected because `seed=True` is almost surely a bug."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
 
@@ -45,7 +40,7 @@ INT64_MAX = (1 << 63) - 1
 
 
 def check_truncate_prompt_tokens(value: object) -> None:
-    if value is not None and (not _is_int(value) or not (1 <= value <= INT64_MAX or value == -1)):
+    if value is not None and (not is_int(value) or not (1 <= value <= INT64_MAX or value == -1)):
         raise ValueError(f"truncate_prompt_tokens must be a positive int or -1 (max_model_len), got {value!r}")
 
 
@@ -196,17 +191,17 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be in [0, {INT64_MAX}], or -1 to disable, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -214,20 +209,20 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
             raise ValueError(f"max_tokens must be in [1, {INT64_MAX}] or None, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise ValueError(f"min_tokens must be in [0, {INT64_MAX}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
@@ -241,7 +236,7 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop: stop strings need the text, so detokenize must be True")
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
+            if not is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -256,7 +251,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, Mapping):
                 raise ValueError(f"logit_bias must be a dict of token id to bias or None, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0:
+                if not is_int(token) or token < 0:
                     raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
@@ -268,7 +263,7 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids or None, "
                                  f"got {self.allowed_token_ids!r}")
             for t in self.allowed_token_ids:
-                if not _is_int(t) or t < 0:
+                if not is_int(t) or t < 0:
                     raise ValueError(f"allowed_token_ids must be non-negative ints, got {t!r}")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list):

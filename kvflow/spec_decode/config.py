@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.config import config_object
+from kvflow.config import config_object, is_int
 
 METHODS = ("ngram", "draft_model")
 
@@ -60,19 +60,19 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}")
-        if not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
+        if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {self.num_speculative_tokens!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"speculative_config.{name}: must be an integer >= 1, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.disable_by_batch_size is not None and (
-                not _is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1):
+                not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_config.disable_by_batch_size: must be an integer >= 1 or null, "
                              f"got {self.disable_by_batch_size!r}")
         if not isinstance(self.min_mean_accepted, (int, float)) or not 0 <= self.min_mean_accepted <= self.num_speculative_tokens:
@@ -102,7 +102,3 @@ class SpeculativeConfig:
         batch = "never" if self.disable_by_batch_size is None else f"above {self.disable_by_batch_size} unfinished requests"
         return (f"speculative decoding: {what}, {self.num_speculative_tokens} tokens per step; off {batch}, "
                 f"and for a sequence accepting under {self.min_mean_accepted} tokens per step")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

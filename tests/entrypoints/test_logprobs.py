@@ -37,3 +37,12 @@ def test_a_token_inside_a_character_gives_its_own_bytes(smollm2_fp32):
     chat = chat_logprobs(ids, [{t: -0.5} for t in ids], 1, tok.decode, lambda t: token_bytes(tok, t))
     assert bytes(b for entry in chat.content for b in entry.bytes).decode("utf-8") == "I \U0001F600"
     assert token_bytes(tok, tok.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_too():
+    """OpenAI: 'the API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements'; with logprobs=0, the chosen token alone (vLLM sends the same)."""
+    ids, entries = [5, 6], [{5: -2.0, 9: -0.1, 3: -1.0}, {6: -0.2, 7: -2.0}]
+    legacy = completion_logprobs(ids, entries, 1, lambda t: f"<{t}>")
+    assert legacy.top_logprobs == [{"<9>": -0.1, "<5>": -2.0}, {"<6>": -0.2}]
+    assert completion_logprobs(ids, entries, 0, lambda t: f"<{t}>").top_logprobs == [{"<5>": -2.0}, {"<6>": -0.2}]

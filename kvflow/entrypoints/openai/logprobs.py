@@ -35,7 +35,9 @@ def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], k: int, decode: TokenDecoder,
                         offset: int = 0) -> CompletionLogProbs:
-    """The legacy completions shape: parallel lists, text_offset counted in characters.
+    """The legacy completions shape: parallel lists, text_offset counted in characters. Each
+    position's top_logprobs holds the k most likely tokens and the chosen one, so up to k + 1
+    (OpenAI's rule, and vLLM's; with logprobs=0 the chosen token alone).
 
     A None entry (an echoed prompt's first token, which nothing scores) gives nulls, as OpenAI answers.
     """
@@ -44,7 +46,13 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | 
         token = decode(tid)
         out.tokens.append(token)
         out.token_logprobs.append(None if entry is None else finite(entry.get(tid)))
-        out.top_logprobs.append(None if entry is None else {decode(t): lp for t, lp in top_logprobs(entry, k)})
+        if entry is None:
+            out.top_logprobs.append(None)
+        else:
+            tops = {decode(t): lp for t, lp in top_logprobs(entry, k)}
+            if tid in entry:
+                tops.setdefault(token, finite(entry[tid]))
+            out.top_logprobs.append(tops)
         out.text_offset.append(offset)
         offset += len(token)
     return out

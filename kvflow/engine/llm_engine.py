@@ -20,7 +20,7 @@ import copy
 import logging
 import time
 
-from kvflow.config import EngineConfig, ModelConfig, is_int, resolve_dtype, resolve_max_model_len
+from kvflow.config import INT64_MAX, INT64_MIN, EngineConfig, ModelConfig, is_int, resolve_dtype, resolve_max_model_len
 from kvflow.engine.batch_queue import BatchQueue
 from kvflow.engine.cpu_threads import set_compute_threads
 from kvflow.engine.inputs import (PromptInput, cache_salt_of, check_prompt, load_tokenizer_or_none, tokenize_prompt,
@@ -126,7 +126,7 @@ class LLMEngine:
         (`PoolingRequestOutput`, kvflow/pooling) and nothing is generated."""
         if request_id in self._requests or request_id in self.sample_groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if not is_int(priority) or not -(1 << 63) <= priority < 1 << 63:
+        if not is_int(priority) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         pooling = None
         if isinstance(params, PoolingParams):
@@ -234,11 +234,9 @@ class LLMEngine:
         return len(self.sample_groups.request_ids(self.scheduler.waiting, self._requests))
 
     def num_waiting_for_a_slot(self) -> int:
-        """Waiting requests beyond the batch's free slots (max_num_seqs less the running sequences):
-        those the next step cannot admit for want of a slot, the server's measure of overload. A
-        burst into an idle engine waits only until that step, and is not a queue."""
-        free = max(0, self.scheduler.config.max_num_seqs - len(self.scheduler.running))
-        return max(0, self.num_waiting_requests() - free)
+        """Waiting requests beyond the slots the next step fills (Scheduler.free_slots): the server's
+        measure of overload. A burst into an idle engine waits only until that step."""
+        return max(0, self.num_waiting_requests() - self.scheduler.free_slots())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (self.batch_queue is not None and self.batch_queue.busy)

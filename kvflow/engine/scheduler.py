@@ -80,6 +80,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.left_waiting = False  # the last schedule() could not admit every waiting sequence
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0
         self._arrivals = 0
@@ -176,9 +177,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
+        self.left_waiting = bool(self.waiting)
         self._add_drafts(out, budget)
         out.scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # single-token rows first (batched decode)
         return out
+
+    def free_slots(self) -> int:
+        """Batch slots the next step can surely fill from the waiting queue: none when the last
+        step already left sequences waiting (for slots, KV blocks or budget: a full pool must not
+        read as free slots while preempted sequences queue), else max_num_seqs less the running."""
+        return 0 if self.left_waiting else max(0, self.config.max_num_seqs - len(self.running))
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Draft tokens (speculative decoding) ride along with decodes, last: only from the budget and

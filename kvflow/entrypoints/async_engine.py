@@ -295,7 +295,7 @@ class AsyncEngine:
                 logger.exception("aborting request %s failed", cmd.request_id)
             return
         try:
-            if self.max_waiting is not None:  # requests, not sequences: n samples are one request
+            if self.max_waiting is not None:  # n samples are one request
                 waiting = self.engine.num_waiting_for_a_slot()
                 if waiting >= self.max_waiting:
                     raise EngineOverloadedError(waiting, self.max_waiting)

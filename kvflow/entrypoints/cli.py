@@ -104,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.in_process_engine:
         logger.info("engine core: process %d (the API server tokenizes and streams; --in-process-engine for one "
                     "process)", engine.core_pid)
-    logger.info("admission: at most %s request(s) waiting (--max-waiting), then 503; SIGTERM drains for at most "
+    logger.info("admission: at most %s request(s) waiting for a batch slot (--max-waiting), then 503; SIGTERM drains for at most "
                 "%g s (--shutdown-timeout)", max_waiting if max_waiting >= 0 else "unlimited", args.shutdown_timeout)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     app = build_app(engine, name, args.api_key, max_request_bytes=args.max_request_bytes,

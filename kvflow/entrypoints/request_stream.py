@@ -23,7 +23,8 @@ class EngineOverloadedError(RuntimeError):
 
     def __init__(self, num_waiting: int, max_waiting: int, retry_after: int = 1) -> None:
         super().__init__(
-            f"the server is overloaded: {num_waiting} requests are already waiting (max_waiting={max_waiting}); "
+            f"the server is overloaded: {num_waiting} requests are already waiting for a batch slot "
+            f"(max_waiting={max_waiting}); "
             "retry later"
         )
         self.num_waiting, self.max_waiting, self.retry_after = num_waiting, max_waiting, retry_after

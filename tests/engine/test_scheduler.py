@@ -179,3 +179,20 @@ def test_abort_waiting_request():
     h.run()
     assert a.output_token_ids == reference_output(prompt(1, 3), 8)
     assert b.output_token_ids == []
+
+
+def test_free_slots_for_admission():
+    """What the server's admission may treat as free (Scheduler.free_slots): the slots a burst
+    fills at the next step, and none once a step has left a sequence waiting, here for KV blocks
+    (a full pool is not free room, however few sequences run)."""
+    h = Harness(num_blocks=64, max_num_seqs=4)
+    assert h.sched.free_slots() == 4
+    h.add("a", prompt(0, 8), 12)
+    assert h.sched.free_slots() == 4  # nothing scheduled yet: the next step takes it
+    h.step()
+    assert h.sched.free_slots() == 3
+    small = Harness(num_blocks=4, block_size=4, max_num_seqs=4)
+    small.add("big", prompt(1, 12), 14)
+    small.add("next", prompt(2, 12), 14)  # 3 blocks each: only one fits the pool
+    small.step()
+    assert len(small.sched.running) == 1 and small.sched.waiting and small.sched.free_slots() == 0

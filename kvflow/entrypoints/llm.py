@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any, Sequence as Seq
-
-from pydantic import ValidationError
 
 from kvflow.config import EngineConfig
 from kvflow.engine.inputs import cache_salt_of, check_chat_options, render_chat
 from kvflow.engine.llm_engine import LLMEngine, PromptInput
-from kvflow.entrypoints.openai.protocol import ChatMessage
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from kvflow.pooling.params import PoolingParams
@@ -186,7 +184,7 @@ class LLM:
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         except Exception as exc:  # a template that does not parse, or rejects the conversation (roles out of order)
-            raise ValueError(f"messages: the chat template rejected the conversation: {exc}") from exc
+            raise ValueError(f"messages: the chat template failed: {exc}") from exc
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
@@ -215,19 +213,43 @@ class LLM:
 
 def _template_message(index: int, message: Any) -> dict[str, Any]:
     """An OpenAI-style message as the chat template reads it, converted as the chat route does
-    (`ChatMessage.to_template_dict`: text parts joined, no content as "", `developer` as `system`,
-    earlier tool calls' JSON arguments as objects); keys the protocol does not know pass through."""
-    if not isinstance(message, dict):
-        raise ValueError(f"messages[{index}]: expected a dict with 'role' and 'content', got {type(message).__name__}")
+    (text parts joined, no content as "", `developer` as `system`, an earlier tool call's JSON
+    arguments as an object) but leniently: any role a template knows (`ipython`, `function`) and
+    any other key pass through."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"{where}: expected a dict with a 'role' string and 'content', got {message!r:.80}")
     if "content" not in message and "tool_calls" not in message:
-        raise ValueError(f"messages[{index}]: a message needs 'content' (or an assistant's 'tool_calls')")
-    try:
-        parsed = ChatMessage.model_validate(message)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'message'}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"messages[{index}]: {problems}") from None
-    extra = {k: v for k, v in message.items() if k not in ChatMessage.model_fields}
-    return {**extra, **parsed.to_template_dict()}
+        raise ValueError(f"{where}: a message needs 'content' (or an assistant's 'tool_calls')")
+    out = dict(message)
+    out["role"] = "system" if message["role"] == "developer" else message["role"]
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise ValueError(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+        out["content"] = "".join(part["text"] for part in content)
+    elif content is None:
+        out["content"] = ""
+    elif not isinstance(content, str):
+        raise ValueError(f"{where}.content: expected a string or a list of text parts, got {type(content).__name__}")
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_template_tool_call(f"{where}.tool_calls[{i}]", call)
+                             for i, call in enumerate(message["tool_calls"])]
+    return out
+
+
+def _template_tool_call(where: str, call: Any) -> dict[str, Any]:
+    """Hugging Face's convention: arguments as an object where they are JSON text."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ValueError(f"{where}: expected a dict with a 'function' dict")
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the text
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
@@ -240,12 +262,13 @@ def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput
     return list(prompts)
 
 
-def _one_per_prompt(params: Any, kind: type, num_prompts: int, name: str) -> list:
+def _one_per_prompt(params: Any, kind: type | tuple[type, ...], num_prompts: int, name: str) -> list:
     """The same params for every prompt, or a list of exactly one per prompt."""
     if isinstance(params, kind):
         return [params] * num_prompts
     if not isinstance(params, (list, tuple)) or not all(isinstance(p, kind) for p in params):
-        raise ValueError(f"{name}: expected a {kind.__name__} or a list of them, got {type(params).__name__}"
+        kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)) if k is not type(None))
+        raise ValueError(f"{name}: expected a {kinds} or a list of them, got {type(params).__name__}"
                          + (f" of {sorted({type(p).__name__ for p in params})}" if isinstance(params, (list, tuple))
                             else ""))
     if len(params) != num_prompts:

@@ -53,6 +53,8 @@ def test_generate_returns_vllm_shaped_outputs_in_order(smollm2_fp32):
         (lambda llm: llm.generate("hi", GREEDY, use_tqdm=False, priority=[2**70]),
          "^priority must be a 64-bit integer"),
         (lambda llm: llm.generate("hi", SamplingParams(top_k=2**64), use_tqdm=False), "^top_k must be in"),
+        (lambda llm: llm.generate("hi", GREEDY, use_tqdm=False, lora_request="sql"),
+         "^lora_request: expected a LoRARequest or a list of them, got str"),
         (lambda llm: llm.generate("hi", {"max_tokens": 2}, use_tqdm=False),
          "^sampling_params: expected a SamplingParams or a list of them, got dict"),
     ],
@@ -219,11 +221,18 @@ def test_chat_messages_are_read_as_the_chat_route_reads_them(smollm2_fp32):
     assert called["prompt"] == "[user|Weather?][assistant||weather(Oslo)][tool|sunny]"
     assert render([{"role": "user", "content": None}], chat_template=template)["prompt"] == "[user|]"
 
-    with pytest.raises(ValueError, match=r"^messages\[1\]: role"):
-        render([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
+    # Roles a template knows beyond OpenAI's, and arguments already an object, pass through.
+    tool_turn = render([{"role": "ipython", "content": "42"},
+                        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"city": "Rome"}}}]}],
+                       add_generation_prompt=False, chat_template=template)
+    assert tool_turn["prompt"] == "[ipython|42][assistant||f(Rome)]"
+    with pytest.raises(ValueError, match=r"^messages\[1\]: expected a dict with a 'role'"):
+        render([{"role": "user", "content": "a"}, {"content": "b"}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: only text parts"):
+        render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ValueError, match=r"^messages\[0\]: a message needs 'content'"):
         render([{"role": "user"}])
     with pytest.raises(ValueError, match=r"^messages\[0\]: expected a dict"):
         render(["hello"])
-    with pytest.raises(ValueError, match="^messages: the chat template rejected the conversation"):
+    with pytest.raises(ValueError, match="^messages: the chat template failed"):
         render([{"role": "user", "content": "a"}], chat_template="{% for m in messages %}{{ m.content }")

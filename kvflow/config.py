@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field, fields
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -233,6 +233,9 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig | None = N
 
 # What torch.manual_seed and torch.Generator.manual_seed take: a signed or unsigned 64-bit value.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# A signed 64-bit integer: what a request's counts and priority may be (the engine core's wire,
+# msgpack, packs no more).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
                "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
@@ -339,11 +342,13 @@ class EngineConfig:
     def _check_values(self) -> None:
         """Each plain option's type and range, named as the user spelled it: a wrong value must
         fail here, not as a TypeError deep in the planner or a silently truthy string."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_threads"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+                setattr(self, name, int(getattr(self, name)))  # numpy's ints overflow, and JSON refuses them
+        if self.num_threads is not None and (not is_int(self.num_threads) or self.num_threads < 0):
+            raise ValueError(f"num_threads must be a positive integer, or 0 for every usable CPU, got "
+                             f"{self.num_threads!r}")
         if not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         for name in ("enable_prefix_caching", "quantize_lm_head", "enforce_eager", "enable_lora"):
@@ -358,9 +363,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
         if isinstance(self.kv_cache_memory, str):  # "4GiB", as `--kv-cache-memory` takes it
             self.kv_cache_memory = parse_size("kv_cache_memory", self.kv_cache_memory)
-        if self.kv_cache_memory is not None and (not is_int(self.kv_cache_memory) or self.kv_cache_memory <= 0):
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes or a size such as '4GiB', "
-                             f"got {self.kv_cache_memory!r}")
+        if self.kv_cache_memory is not None:
+            value = self.kv_cache_memory
+            if isinstance(value, bool) or not isinstance(value, Real) or not 1 <= value < float("inf"):
+                raise ValueError(f"kv_cache_memory must be a positive number of bytes or a size such as '4GiB', "
+                                 f"got {value!r}")
+            self.kv_cache_memory = int(value)  # 1.5e9 or 0.5 * 2**30 bytes, as before
 
     @property
     def lora_config(self):

@@ -11,8 +11,8 @@ from kvflow.config import EngineConfig, parse_size
     ({"max_model_len": "abc"}, r"max_model_len must be a positive integer, got 'abc'"),
     ({"max_num_seqs": True}, r"max_num_seqs must be a positive integer, got True"),
     ({"block_size": 0}, r"block_size must be a positive integer, got 0"),
-    ({"num_threads": 0}, r"num_threads must be a positive integer, got 0"),
-    ({"num_threads": -3}, r"num_threads must be a positive integer, got -3"),
+    ({"num_threads": -3}, r"num_threads must be a positive integer, or 0 for every usable CPU, got -3"),
+    ({"num_threads": 1.5}, r"num_threads must be a positive integer, or 0"),
     ({"seed": "abc"}, r"seed must be an integer in \[-9223372036854775808, 18446744073709551615\], got 'abc'"),
     ({"seed": 2**70}, r"seed must be an integer in \[.*\], got 1180591620717411303424"),
     ({"enable_prefix_caching": "no"}, r"enable_prefix_caching must be True or False, got 'no'"),
@@ -21,7 +21,8 @@ from kvflow.config import EngineConfig, parse_size
     ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization must be a fraction in \(0, 1\], got 0"),
     ({"kv_cache_memory": "lots"}, r"kv_cache_memory: not a size: 'lots'"),
     ({"kv_cache_memory": -1}, r"kv_cache_memory must be a positive number of bytes"),
-    ({"kv_cache_memory": 1.5e9}, r"kv_cache_memory must be a positive number of bytes"),
+    ({"kv_cache_memory": float("inf")}, r"kv_cache_memory must be a positive number of bytes"),
+    ({"kv_cache_memory": True}, r"kv_cache_memory must be a positive number of bytes"),
 ])
 def test_a_wrong_option_is_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
@@ -31,8 +32,10 @@ def test_a_wrong_option_is_refused_by_name(options, message):
 def test_accepted_forms():
     assert EngineConfig(kv_cache_memory="1GiB").kv_cache_memory == 1 << 30  # as --kv-cache-memory takes it
     assert EngineConfig(kv_cache_memory=np.int64(1 << 20)).kv_cache_memory == 1 << 20
-    config = EngineConfig(max_model_len=np.int32(512), seed=-1, num_threads=2, memory_utilization=1)
-    assert (config.max_model_len, config.seed, config.num_threads) == (512, -1, 2)
+    assert EngineConfig(kv_cache_memory=1.5e9).kv_cache_memory == 1_500_000_000  # bytes as a float: as before
+    config = EngineConfig(max_model_len=np.int32(512), seed=-1, num_threads=0, memory_utilization=1)
+    assert (config.max_model_len, config.seed, config.num_threads) == (512, -1, 0)  # 0: every usable CPU
+    assert type(config.max_model_len) is int  # numpy's int32 would overflow in the plan's products
 
 
 def test_parse_size():

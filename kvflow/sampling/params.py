@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any, Mapping
 
-from kvflow.config import SEED_MAX, SEED_MIN, is_int  # beyond them a seed fails in the engine, not at admission
+from kvflow.config import INT64_MAX, SEED_MAX, SEED_MIN, is_int  # beyond them a seed fails in the engine, not at admission
 from kvflow.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
@@ -33,10 +33,6 @@ MAX_N = 128
 
 def _is_number(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
-
-
-# The largest count a request may carry: the engine core's wire (msgpack) packs 64-bit integers.
-INT64_MAX = (1 << 63) - 1
 
 
 def check_truncate_prompt_tokens(value: object) -> None:

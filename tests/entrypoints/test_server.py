@@ -176,7 +176,7 @@ def test_logprobs(live_server, client):
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert logprob <= 0 and 1 <= len(top) <= 3 + 1  # the top 3 and the chosen token
+        assert logprob <= 0 and 1 <= len(top) <= 3  # greedy: the chosen token is among the top 3
         assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
     c = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0,
                                        logprobs=True, top_logprobs=2)
@@ -319,6 +319,9 @@ def test_max_tokens_defaults():
     assert p.CompletionRequest(prompt="hi", max_tokens=None).to_sampling_params(48, 2048).max_tokens == 2000
     chat = p.ChatCompletionRequest(messages=[{"role": "user", "content": "a"}])
     assert chat.to_sampling_params(48, 2048).max_tokens == 2000
+    model_default = {"max_tokens": 512}  # never past 16 when absent, as in vLLM; it caps an explicit null
+    assert req.to_sampling_params(48, 2048, model_default).max_tokens == 16
+    assert p.CompletionRequest(prompt="hi", max_tokens=None).to_sampling_params(48, 2048, model_default).max_tokens == 512
     with pytest.raises(p.InvalidRequestError, match="2048"):
         p.CompletionRequest(prompt="hi", max_tokens=2001).to_sampling_params(48, 2048)
     with pytest.raises(p.InvalidRequestError):

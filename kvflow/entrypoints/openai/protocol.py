@@ -13,6 +13,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from kvflow.config import INT64_MAX, INT64_MIN
 from kvflow.entrypoints.openai.structured import StructuredOutputFields
 from kvflow.entrypoints.openai.tool_calls import DeltaToolCall, ToolCall, ToolFields, template_message_tool_calls
 from kvflow.sampling.params import MAX_LOGPROBS, SamplingParams
@@ -70,7 +71,7 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-    priority: Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)] = 0  # the engine core's wire: 64 bits
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     prompt_logprobs: int | None = None  # vLLM's extension: score the prompt's own tokens
     # vLLM's field for prefill/decode disaggregation, set by `kvflow router --prefill/--decode`
     # (do_remote_decode for the prefill instance; do_remote_prefill + remote_kv_addr for the decode one).
@@ -103,8 +104,8 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
 
         A field the request leaves out (or sends as null) takes the model's sampling default
         from `defaults` (generation_config), else SamplingParams' own. An absent max_tokens
-        means the model's default max_tokens, else `absent_max_tokens` (completions: 16), else
-        "until the context is full", as in vLLM (an explicit null skips `absent_max_tokens`);
+        means the least of the room left, `absent_max_tokens` (completions: 16) and the model's
+        default max_tokens, as in vLLM (an explicit null, and chat, skip the 16);
         an explicit one that cannot fit next to the prompt is refused up front with both
         numbers, rather than silently truncated.
         """
@@ -121,7 +122,7 @@ class SamplingRequest(OpenAIModel, StructuredOutputFields):
         name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is None:
             absent = self.absent_max_tokens if "max_tokens" not in self.model_fields_set else None
-            max_tokens = min(room, defaults.get("max_tokens") or absent or room)
+            max_tokens = min(v for v in (room, absent, defaults.get("max_tokens")) if v)
         elif max_tokens < 1:
             raise InvalidRequestError(f"{name} must be at least 1, got {max_tokens}", param=name)
         elif max_tokens > room:

@@ -66,7 +66,11 @@ def register_tokenization(app: FastAPI, server: "OpenAIServer") -> None:
             raise p.InvalidRequestError("this model has no tokenizer: it takes and gives token ids only")
         return tok
 
-    def token_ids(body: TokenizeRequest) -> list[int]:
+    def token_ids(body: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        ids = _ids(body)
+        return ids, server.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+    def _ids(body: TokenizeRequest) -> list[int]:
         """The ids the generating route would give the model, counted whole however long (no
         context check: answering how far past it a prompt goes is this route's job)."""
         if body.messages is not None:
@@ -81,11 +85,10 @@ def register_tokenization(app: FastAPI, server: "OpenAIServer") -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         server.check_model(body.model)
-        tok = tokenizer()
+        tokenizer()  # a 400 for a model without one
         if (body.prompt is None) == (body.messages is None):
             raise p.InvalidRequestError("give either `prompt` or `messages`, not both or neither", param="prompt")
-        ids = await asyncio.to_thread(token_ids, body)  # off the event loop, as the generating routes do
-        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        ids, strs = await asyncio.to_thread(token_ids, body)  # off the event loop, as the generating routes do
         out = TokenizeResponse(count=len(ids), max_model_len=server.engine.max_model_len, tokens=ids, token_strs=strs)
         return Response(out.model_dump_json(), media_type="application/json")
 

@@ -44,14 +44,20 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, li
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass {'prompt_token_ids': [...]}")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can encode it
-            raise ValueError(f"prompt: the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
+        check_unicode(prompt, "prompt")
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, list):
         return None, token_id_list(prompt)
     raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Refuse text that is not valid Unicode, such as a lone surrogate (JSON's \\ud800 escape, or a
+    Python string sliced mid-pair): no tokenizer can encode it, so the error names the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field}: the text is not valid Unicode ({exc.reason} at character {exc.start})") from None
 
 
 def token_id_list(ids: Any) -> list[int]:

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvflow.engine.inputs import check_unicode
 from kvflow.entrypoints.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.structured import name_field
@@ -39,16 +40,12 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def check_text(text: str, param: str) -> None:
-    """Refuse text that is not valid Unicode, such as a lone surrogate sent as a JSON \\ud800 escape.
-
-    JSON allows such escapes and Python keeps them, but a tokenizer cannot encode them: caught
-    here, the client learns which field is wrong instead of getting a 500.
-    """
+    """engine.inputs.check_unicode as a 400 naming `param` (JSON allows lone-surrogate escapes and
+    Python keeps them; caught here, the client learns which field is wrong instead of getting a 500)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise p.InvalidRequestError(f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start})",
-                                    param=param) from None
+        check_unicode(text, param)
+    except ValueError as exc:
+        raise p.InvalidRequestError(str(exc), param=param) from None
 
 
 def _param_of(message: str) -> str | None:

@@ -6,13 +6,33 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at one position, as vLLM reports it.
+
+    `rank` is the token's place in the position's distribution (1 = most likely): measured for
+    the sampled (or prompt) token, the order among the top k for the others. `decoded_token` is
+    the token's own text, None when the request ran with `detokenize=False`.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: the sampled token and the top k, by token id (vLLM's names).
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: the same, None for the first token, which nothing scores.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None  # per generated token: {token_id: logprob} (sampled + top-N)
+    logprobs: SampleLogprobs | None  # per generated token: {token_id: Logprob} (sampled + top-N)
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
@@ -42,10 +62,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # produced by the step that returned this
     new_text: str = ""
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, else
-    # {token_id: logprob} with the prompt token and the top-k there (None when not asked).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    # kvflow's addition: each prompt token's rank at its position (1 = most likely), None for the first.
-    prompt_token_ranks: list[int | None] | None = None
+    # {token_id: Logprob} with the prompt token (and its rank) and the top-k there (None when not asked).
+    prompt_logprobs: PromptLogprobs | None = None
     lora_request: Any = None  # the kvflow.lora.LoRARequest the request ran with; None: the base model
 
 

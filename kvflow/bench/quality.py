@@ -74,13 +74,13 @@ def score(llm, chunks: list[list[int]]) -> tuple[list[float], list[int]]:
     """Log-probability of each scored token, and the model's top-1 token at each position."""
     from kvflow import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, detokenize=False)  # ids suffice
     outs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
     logprobs, top1 = [], []
     for chunk, out in zip(chunks, outs):
         for token, entry in zip(chunk[1:], out.prompt_logprobs[1:]):
-            logprobs.append(entry[token])
-            top1.append(max(entry, key=entry.get))
+            logprobs.append(entry[token].logprob)
+            top1.append(max(entry, key=lambda t: entry[t].logprob))
     return logprobs, top1
 
 

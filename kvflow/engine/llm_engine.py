@@ -17,8 +17,10 @@ parallelism a step submits up to P batches and applies the oldest (engine/batch_
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
+from typing import Callable
 
 from kvflow.config import INT64_MAX, INT64_MIN, EngineConfig, ModelConfig, is_int, resolve_dtype, resolve_max_model_len
 from kvflow.engine.batch_queue import BatchQueue
@@ -38,10 +40,10 @@ from kvflow.engine.step_shape import StepShape, step_shape
 from kvflow.loader import load_model_config, resolve_model_path
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import PoolingRequestOutput, RequestOutput
+from kvflow.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from kvflow.pooling.params import PoolingParams
 from kvflow.pooling.pooler import PooledOutput, PoolingState
-from kvflow.sampling.detokenizer import CompletionText
+from kvflow.sampling.detokenizer import CompletionText, decode_token, name_tokens
 from kvflow.sampling.logits_processors import bad_words_token_ids
 from kvflow.sampling.params import SamplingParams
 from kvflow.structured_output.manager import StructuredOutputManager
@@ -69,6 +71,8 @@ class LLMEngine:
         self.distributed = placement.distributed
         self.plan: KVCachePlan = placement.plan
         self.tokenizer = load_tokenizer_or_none(config.tokenizer or path)
+        # Each logprob's decoded_token; logprobs repeat tokens, so names are cached.
+        self._decode_token = functools.lru_cache(maxsize=1 << 16)(functools.partial(decode_token, self.tokenizer))
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None and eos not in self.eos_token_ids:
@@ -268,7 +272,7 @@ class LLMEngine:
         if self.step_shapes is not None:
             self.step_shapes.append(step_shape(sched))
         for entries in result.prompt_logprobs:  # before the outputs, which carry them
-            entries.append_to_sequence()
+            entries.append_to_sequence(self._token_namer(entries.seq))
         sampled, pooled = result.sampled, result.pooled
         now = time.time()
         advanced: list[RequestState] = []
@@ -341,14 +345,20 @@ class LLMEngine:
         req.new_text = text[prev_len:] if len(text) >= prev_len else ""
         return status
 
-    def _append_token(self, req: RequestState, tid: int, logprobs: dict[int, float] | None) -> SequenceStatus | None:
+    def _token_namer(self, seq: Sequence) -> Callable[[int], str] | None:
+        """What names a request's logprob tokens: None when it asked for no text (a split server's core)."""
+        return self._decode_token if seq.params.detokenize and self.tokenizer is not None else None
+
+    def _append_token(self, req: RequestState, tid: int, logprobs: dict[int, Logprob] | None) -> SequenceStatus | None:
         seq, params = req.seq, req.seq.params
         seq.output_token_ids.append(tid)
         req.new_token_ids.append(tid)
         self.generation_tokens_total += 1
         if logprobs is not None:
+            if (decode := self._token_namer(seq)) is not None:
+                name_tokens([logprobs], decode)
             seq.output_logprobs.append(logprobs)
-            req.cumulative_logprob += logprobs.get(tid, 0.0)
+            req.cumulative_logprob += logprobs[tid].logprob  # the sampler always reports the sampled token
         n_out = len(seq.output_token_ids)
         eos = tid in self.eos_token_ids and n_out >= params.min_tokens
         stop_token = tid in params.stop_token_ids and n_out >= params.min_tokens

@@ -27,10 +27,11 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.engine.kv_cache_manager import KVCacheManager
-from kvflow.engine.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from kvflow.engine.prompt_logprobs import PromptLogprobChunk, compute_prompt_logprobs
 from kvflow.engine.scheduler import ScheduledSequence, SchedulerOutput
 from kvflow.engine.sequence import Sequence
 from kvflow.layers.attention import AttentionBackend, AttentionMetadata
+from kvflow.outputs import Logprob
 from kvflow.pooling.pooler import PooledOutput, pool_step
 from kvflow.sampling.sampler import Sampler, SamplingMetadata, greedy
 from kvflow.spec_decode.rejection_sampler import RejectionSampler, verify_greedy
@@ -52,7 +53,7 @@ class SampledTokens:
 
     seq: Sequence
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # one entry per token, when the request asked
+    logprobs: list[dict[int, Logprob]] | None  # one entry per token, when the request asked
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
@@ -68,7 +69,7 @@ class StepOutput:
     the vectors of embedding requests whose prompt the step completed."""
 
     sampled: list[SampledTokens]
-    prompt_logprobs: list[PromptLogprobs]
+    prompt_logprobs: list[PromptLogprobChunk]
     pooled: list[PooledOutput] = field(default_factory=list)
 
 

@@ -26,22 +26,25 @@ import torch
 
 from kvflow.engine.scheduler import ScheduledSequence
 from kvflow.engine.sequence import Sequence
+from kvflow.outputs import Logprob
+from kvflow.sampling.detokenizer import name_tokens
 from kvflow.sampling.sampler import gather_logprobs
 
 SLICE_ROWS = 256  # LM-head rows per slice: bounds the float32 logits held at once to SLICE_ROWS x vocab
 
 
 @dataclass
-class PromptLogprobs:
+class PromptLogprobChunk:
     """The prompt logprob entries one step produced for one sequence, to append in order."""
 
     seq: Sequence
-    logprobs: list[dict[int, float] | None]  # {token_id: logprob}: the prompt token and the top-k
-    ranks: list[int | None]  # the prompt token's rank at its position (1 = most likely)
+    logprobs: list[dict[int, Logprob] | None]  # {token_id: Logprob}: the prompt token (with its rank) and the top-k
 
-    def append_to_sequence(self) -> None:
+    def append_to_sequence(self, decode: Callable[[int], str] | None) -> None:
+        """Append the entries, naming each token with `decode` (None: the request does not detokenize)."""
+        if decode is not None:
+            name_tokens(self.logprobs, decode)
         self.seq.prompt_logprobs.extend(self.logprobs)
-        self.seq.prompt_token_ranks.extend(self.ranks)
 
 
 @dataclass
@@ -86,7 +89,7 @@ def compute_prompt_logprobs(
     query_start: Seq[int],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     slice_rows: int | None = None,
-) -> list[PromptLogprobs]:
+) -> list[PromptLogprobChunk]:
     """This step's new prompt logprob entries, from the hidden states of the whole flat batch.
 
     `compute_logits` runs on at most `slice_rows` rows (default `SLICE_ROWS`) at a time.
@@ -98,19 +101,16 @@ def compute_prompt_logprobs(
     rows = [r for s in spans for r in range(s.row, s.row + s.num_rows)]
     targets = [t for s in spans for t in s.seq.prompt_token_ids[s.first + 1 : s.first + 1 + s.num_rows]]
     ks = [s.seq.params.prompt_logprobs for s in spans for _ in range(s.num_rows)]
-    entries: list[dict[int, float] | None] = []
-    ranks: list[int | None] = []
+    entries: list[dict[int, Logprob] | None] = []
     for lo in range(0, len(rows), slice_rows):
         index = torch.tensor(rows[lo : lo + slice_rows], dtype=torch.long, device=hidden.device)
         logits = compute_logits(hidden[index])
         chosen = torch.tensor(targets[lo : lo + slice_rows], dtype=torch.long, device=logits.device)
-        lps, rks = gather_logprobs(logits, chosen, ks[lo : lo + slice_rows])
-        entries.extend(lps)
-        ranks.extend(rks)
+        entries.extend(gather_logprobs(logits, chosen, ks[lo : lo + slice_rows]))
         del logits
     out, at = [], 0
     for s in spans:
         head: list = [None] if s.leading_none else []
-        out.append(PromptLogprobs(s.seq, head + entries[at : at + s.num_rows], head + ranks[at : at + s.num_rows]))
+        out.append(PromptLogprobChunk(s.seq, head + entries[at : at + s.num_rows]))
         at += s.num_rows
     return out

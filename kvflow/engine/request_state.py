@@ -71,7 +71,6 @@ def make_output(req: RequestState) -> RequestOutput:
         new_token_ids=req.new_token_ids,
         new_text=req.new_text,
         prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-        prompt_token_ranks=list(seq.prompt_token_ranks) if seq.params.prompt_logprobs is not None else None,
         lora_request=seq.lora_request,
     )
 

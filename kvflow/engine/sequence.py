@@ -39,7 +39,7 @@ class Sequence:
     priority: int = 0  # lower is served first; ties broken by arrival order
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission
     status: SequenceStatus = SequenceStatus.WAITING
@@ -55,10 +55,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [k, V] the proposer's distributions; None: one-hot
     # SamplingParams.prompt_logprobs: entry i scores prompt token i under the model's
-    # distribution at position i - 1 (entry 0 is None); `prompt_token_ranks[i]` is that token's
-    # rank there. Filled chunk by chunk as the prompt is computed, each entry exactly once.
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    prompt_token_ranks: list[int | None] = field(default_factory=list)
+    # distribution at position i - 1 (entry 0 is None), with the token's rank there. Filled
+    # chunk by chunk as the prompt is computed, each entry exactly once.
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     # Parallel sampling (SamplingParams.n > 1): every sample of the request, this one included, in
     # index order (one list shared by the samples). Admission may take a sibling's computed prompt
     # blocks by reference, so the prompt is computed once even without the prefix cache.

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.outputs import Logprob
 from kvflow.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
@@ -54,7 +55,7 @@ class BeamSearchSequence:
     """One beam: its tokens (the prompt's first), the logprobs of each step and their sum."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # decoded_token None: steps skip text
     cum_logprob: float = 0.0
     text: str | None = None  # set when returned
     finish_reason: str | None = None  # "stop" (EOS) or "length"
@@ -104,15 +105,15 @@ class BeamSearch:
     def _score(self, seq: BeamSearchSequence) -> float:
         return beam_score(seq, self.eos_token_ids, self.params.length_penalty)
 
-    def advance(self, step_logprobs: list[dict[int, float]]) -> None:
-        """Extend the beams by this step's logprobs (one {token_id: logprob} per beam, in order)."""
+    def advance(self, step_logprobs: list[dict[int, Logprob]]) -> None:
+        """Extend the beams by this step's logprobs (one {token_id: Logprob} per beam, in order)."""
         if len(step_logprobs) != len(self.beams):
             raise ValueError(f"beam search: {len(step_logprobs)} results for {len(self.beams)} beams")
         candidates = []
         for beam, logprobs in zip(self.beams, step_logprobs):
             for token_id, logprob in logprobs.items():
                 new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [logprobs],
-                                         beam.cum_logprob + logprob, lora_request=beam.lora_request)
+                                         beam.cum_logprob + logprob.logprob, lora_request=beam.lora_request)
                 if token_id in self.eos_token_ids and not self.params.ignore_eos:
                     new.finish_reason, new.stop_reason = "stop", token_id
                     self.completed.append(new)
@@ -144,12 +145,13 @@ def pending_beams(searches: list[BeamSearch]) -> list[tuple[BeamSearch, BeamSear
     return [(search, beam) for search in searches if not search.done for beam in search.beams]
 
 
-def advance_all(pending: list[tuple[BeamSearch, BeamSearchSequence]], step_logprobs: list[dict[int, float]]) -> None:
+def advance_all(pending: list[tuple[BeamSearch, BeamSearchSequence]],
+                step_logprobs: list[dict[int, Logprob]]) -> None:
     """Hand each search its beams' results (`step_logprobs` in `pending`'s order). The drivers
     (`LLM.beam_search`, the server's) only run the requests in between."""
     if len(step_logprobs) != len(pending):
         raise ValueError(f"beam search: {len(step_logprobs)} results for {len(pending)} beams")
-    grouped: dict[int, tuple[BeamSearch, list[dict[int, float]]]] = {}
+    grouped: dict[int, tuple[BeamSearch, list[dict[int, Logprob]]]] = {}
     for (search, _), logprobs in zip(pending, step_logprobs):
         grouped.setdefault(id(search), (search, []))[1].append(logprobs)
     for search, results in grouped.values():

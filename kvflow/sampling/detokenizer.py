@@ -13,7 +13,9 @@ carries enough left context for the decoder to place spaces as a full decode wou
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
+
+from kvflow.outputs import Logprob
 
 # How many prompt tokens seed the decoding window, as in vLLM: enough left context for any
 # decoder's leading-space or byte-merging rules, small enough to keep each decode cheap.
@@ -187,3 +189,18 @@ class CompletionText:
         stop, cut = hit
         self.text = self.text[:cut]
         return stop
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """One token's own text, as logprobs name it: special tokens kept, no space clean-up (part
+    of a character decodes to U+FFFD; `loader.tokenizer.token_bytes` gives its bytes)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def name_tokens(entries: Iterable[dict[int, Logprob] | None], decode: Callable[[int], str]) -> None:
+    """Fill in each logprob's `decoded_token`: the sampler, which sees logits only, leaves it
+    to whoever holds the tokenizer (the engine, or a split server's API process)."""
+    for entry in entries:
+        if entry is not None:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = decode(token_id)

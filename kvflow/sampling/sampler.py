@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.layers import cpu_kernels
+from kvflow.outputs import Logprob
 from kvflow.sampling.bitmask import apply_token_bitmask
 from kvflow.sampling.logits_processors import LogitsEdits
 from kvflow.sampling.params import SamplingParams
@@ -175,13 +176,11 @@ def _flatten(
 class SamplerOutput:
     """One sampled token per row, plus logprobs for rows that asked for them.
 
-    `logprobs[i]` maps token id to log-probability for the sampled token and the row's top-k
-    tokens; `ranks[i]` is the sampled token's 1-based rank (1 = most likely).
+    `logprobs[i]` maps token id to the `Logprob` of the sampled token and the row's top-k tokens.
     """
 
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    ranks: list[int | None] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob] | None]
 
 
 class Sampler:
@@ -201,7 +200,6 @@ class Sampler:
             return SamplerOutput(
                 token_ids=greedy(logits).tolist(),
                 logprobs=[None] * meta.num_rows,
-                ranks=[None] * meta.num_rows,
             )
         logits = apply_logits_processors(logits, meta)
 
@@ -214,8 +212,7 @@ class Sampler:
             sampled[meta.random_rows] = _sample_random(logits[meta.random_rows], meta)
 
         token_ids = sampled.tolist()
-        logprobs, ranks = gather_logprobs(logits, sampled, meta.num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
+        return SamplerOutput(token_ids=token_ids, logprobs=gather_logprobs(logits, sampled, meta.num_logprobs))
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -329,30 +326,35 @@ def _exponential_noise(x: torch.Tensor, generators: list[torch.Generator | None]
 
 
 def gather_logprobs(
-    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
-) -> tuple[list[dict[int, float] | None], list[int | None]]:
-    """Sampled-token and top-k logprobs (and the sampled token's rank) for rows that asked."""
+    logits: torch.Tensor, chosen: torch.Tensor, num_logprobs: list[int | None]
+) -> list[dict[int, Logprob] | None]:
+    """For rows that asked: the chosen token's logprob and measured rank, and the top k ranked 1..k.
+
+    `chosen` is the sampled token of each row (or, for prompt logprobs, the prompt's next token).
+    A chosen token among the top k appears once, with its measured rank. `decoded_token` is left
+    for the engine, which holds the tokenizer.
+    """
     n = logits.shape[0]
     want = [i for i, k in enumerate(num_logprobs) if k is not None]
     if not want:
-        return [None] * n, [None] * n
+        return [None] * n
     idx = torch.tensor(want, dtype=torch.long, device=logits.device)
     lp = torch.log_softmax(logits[idx], dim=-1)
-    chosen = sampled[idx].unsqueeze(1)
-    chosen_lp = lp.gather(1, chosen)
-    ranks_t = (lp > chosen_lp).sum(dim=-1) + 1
+    picked = chosen[idx].unsqueeze(1)
+    picked_lp = lp.gather(1, picked)
+    ranks_t = (lp > picked_lp).sum(dim=-1) + 1
     max_k = max(num_logprobs[i] or 0 for i in want)
-    top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k > 0 else (lp[:, :0], chosen[:, :0])
+    top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k > 0 else (lp[:, :0], picked[:, :0])
     top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
-    chosen_l, chosen_lp_l = chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist()
+    picked_l, picked_lp_l = picked.squeeze(1).tolist(), picked_lp.squeeze(1).tolist()
     ranks_l = ranks_t.tolist()
 
-    logprobs: list[dict[int, float] | None] = [None] * n
-    ranks: list[int | None] = [None] * n
+    logprobs: list[dict[int, Logprob] | None] = [None] * n
     for j, i in enumerate(want):
         k = num_logprobs[i] or 0
-        entry = {chosen_l[j]: chosen_lp_l[j]}
-        entry.update(zip(top_ids_l[j][:k], top_lp_l[j][:k]))
+        entry = {picked_l[j]: Logprob(picked_lp_l[j], ranks_l[j])}  # first, as vLLM orders them
+        for rank, (t, v) in enumerate(zip(top_ids_l[j][:k], top_lp_l[j][:k]), start=1):
+            if t not in entry:
+                entry[t] = Logprob(v, rank)
         logprobs[i] = entry
-        ranks[i] = ranks_l[j]
-    return logprobs, ranks
+    return logprobs

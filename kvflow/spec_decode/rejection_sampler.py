@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.outputs import Logprob
 from kvflow.sampling.sampler import (
     SamplingMetadata,
     apply_logits_processors,
@@ -45,7 +46,7 @@ class VerifiedTokens:
     """One speculating sequence's result: accepted drafts, then one token from the target."""
 
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # target logprobs of each emitted token, when asked
+    logprobs: list[dict[int, Logprob]] | None  # target logprobs of each emitted token, when asked
     num_draft_tokens: int
     num_accepted_tokens: int
 
@@ -98,8 +99,8 @@ class RejectionSampler:
 
         if emitted_rows:
             rows = torch.tensor(emitted_rows, dtype=torch.long)
-            logprobs, _ = gather_logprobs(scores[rows], torch.tensor(emitted_tokens, dtype=torch.long),
-                                          [meta.num_logprobs[r] for r in emitted_rows])
+            logprobs = gather_logprobs(scores[rows], torch.tensor(emitted_tokens, dtype=torch.long),
+                                       [meta.num_logprobs[r] for r in emitted_rows])
             offset = cursor = 0
             for result, drafts in zip(results, draft_token_ids):
                 if meta.num_logprobs[offset] is not None:

@@ -15,7 +15,7 @@ def greedy_reference(model: str, prompts: list[list[int]], max_tokens: int, **en
     for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
         gaps = []
         for entry in out.outputs[0].logprobs:
-            top = sorted(entry.values(), reverse=True)
+            top = sorted((lp.logprob for lp in entry.values()), reverse=True)
             gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
         refs.append((out.outputs[0].token_ids, gaps))
     return refs

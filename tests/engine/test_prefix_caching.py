@@ -16,7 +16,7 @@ def _gaps(out) -> list[float]:
     """Top-2 gaps from our own log-probabilities (a log-prob difference is a logit difference)."""
     gaps = []
     for step in out.outputs[0].logprobs:
-        top = sorted(step.values(), reverse=True)
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
         gaps.append(top[0] - top[1])
     return gaps
 

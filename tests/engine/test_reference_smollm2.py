@@ -31,7 +31,7 @@ def test_reference_first_step_logits(smollm2_fp32, reference):
         assert set(ids) <= set(ours), "top-10 token set differs"
         for tid, logit in zip(ids[1:], logits[1:]):
             ref_diff = logit - logits[0]
-            our_diff = ours[tid] - ours[ids[0]]
+            our_diff = ours[tid].logprob - ours[ids[0]].logprob
             assert our_diff == pytest.approx(ref_diff, abs=1e-3 * abs(logits[0]))
 
 

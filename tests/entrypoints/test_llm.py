@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM, Logprob, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -27,6 +27,35 @@ def test_generate_returns_vllm_shaped_outputs_in_order(smollm2_fp32):
     m = outs[0].metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time
     _pool_is_whole(smollm2_fp32)
+
+
+def test_logprobs_are_vllm_logprob_records(smollm2_fp32):
+    """Code ported from vLLM reads `out.logprobs[i][token].logprob`, `.rank` and `.decoded_token`;
+    the sampled token comes first, its rank measured; the top k are ranked in order."""
+    tok = smollm2_fp32.get_tokenizer()
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out = smollm2_fp32.generate("The capital of France is", params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids)
+    for tid, entry in zip(comp.token_ids, comp.logprobs):
+        assert isinstance(entry[tid], Logprob) and next(iter(entry)) == tid
+        others = sorted((t for t in entry if t != tid), key=lambda t: -entry[t].logprob)
+        ranks = [entry[t].rank for t in others]
+        assert ranks == sorted(set(ranks)) and set(ranks) <= {1, 2, 3}
+        above = sum(entry[t].logprob > entry[tid].logprob for t in others)
+        assert entry[tid].rank == above + 1 if above < 3 else entry[tid].rank > 3
+        for t, lp in entry.items():
+            assert lp.decoded_token == tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+    assert out.prompt_logprobs[0] is None
+    for t, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert entry[t].rank >= 1 and entry[t].decoded_token == tok.decode([t])
+    bare = smollm2_fp32.generate("The capital of France is", SamplingParams(
+        temperature=0.8, seed=7, max_tokens=6, logprobs=3, prompt_logprobs=2, detokenize=False), use_tqdm=False)[0]
+    assert [{t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in bare.outputs[0].logprobs] == [
+        {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in comp.logprobs]
+    entries = bare.outputs[0].logprobs + bare.prompt_logprobs[1:]
+    assert all(lp.decoded_token is None for e in entries for lp in e.values())
 
 
 @pytest.mark.parametrize(

@@ -106,11 +106,11 @@ def test_echo_with_logprobs(live_server, http, offline_llm):
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for pos in range(1, plen):
             tid = offline.prompt_token_ids[pos]
-            assert lp["token_logprobs"][pos] == pytest.approx(offline.prompt_logprobs[pos][tid], abs=1e-6)
+            assert lp["token_logprobs"][pos] == pytest.approx(offline.prompt_logprobs[pos][tid].logprob, abs=1e-6)
             top = lp["top_logprobs"][pos]  # the top 2 and the prompt's own token: up to logprobs + 1 (OpenAI)
             assert 2 <= len(top) <= 3 and top[lp["tokens"][pos]] == lp["token_logprobs"][pos]
         assert lp["token_logprobs"][plen:] == pytest.approx(
-            [e[t] for t, e in zip(offline.outputs[0].token_ids, offline.outputs[0].logprobs)], abs=1e-6)
+            [e[t].logprob for t, e in zip(offline.outputs[0].token_ids, offline.outputs[0].logprobs)], abs=1e-6)
         assert "".join(lp["tokens"]) == choice["text"]
         assert lp["text_offset"][0] == 0 and lp["text_offset"][plen] == len(prompt)
         assert lp["text_offset"] == sorted(lp["text_offset"])

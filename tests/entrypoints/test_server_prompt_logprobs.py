@@ -13,6 +13,7 @@ import pytest
 from kvflow import SamplingParams
 from kvflow.entrypoints.openai import protocol as p
 from kvflow.entrypoints.openai.logprobs import prompt_logprobs
+from kvflow.outputs import Logprob
 
 from .conftest import MODEL_NAME
 
@@ -46,9 +47,10 @@ def test_completion_prompt_logprobs_match_offline(live_server, http, offline_llm
     tok = offline_llm.engine.tokenizer
     check_shape(entries, ids, 2, lambda t: tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False))
     for i in range(1, len(ids)):
-        for tid, lp in offline.prompt_logprobs[i].items():
-            assert entries[i][str(tid)]["logprob"] == pytest.approx(lp, abs=1e-5)
-        assert entries[i][str(ids[i])]["rank"] == offline.prompt_token_ranks[i]
+        for tid, lp in offline.prompt_logprobs[i].items():  # vLLM's Logprob records offline, their JSON online
+            assert entries[i][str(tid)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert entries[i][str(tid)]["rank"] == lp.rank
+            assert entries[i][str(tid)]["decoded_token"] == lp.decoded_token
     assert live_server.wait_pool_free()
 
 
@@ -97,10 +99,11 @@ def test_to_sampling_params_passes_prompt_logprobs():
 
 
 def test_prompt_logprobs_payload_ranks_and_clamp():
-    entries = [None, {7: -3.0, 1: -0.5, 2: -1.0}, {5: -0.1, 9: float("-inf")}]
-    out = prompt_logprobs([4, 7, 9], entries, [None, 12, 2], lambda t: f"<{t}>")
+    entries = [None, {7: Logprob(-3.0, 12), 1: Logprob(-0.5, 1), 2: Logprob(-1.0, 2)},
+               {9: Logprob(float("-inf"), 2), 5: Logprob(-0.1, 1)}]
+    out = prompt_logprobs(entries, lambda t: f"<{t}>")
     assert out[0] is None
-    # the prompt token 7 lies past the top-2: it keeps the engine's rank, the top-2 are ranked in order
+    # the engine's ranks pass as they are (the prompt token 7 lies past the top-2); names come from `decode`
     assert {t: (v.logprob, v.rank, v.decoded_token) for t, v in out[1].items()} == {
         "7": (-3.0, 12, "<7>"), "1": (-0.5, 1, "<1>"), "2": (-1.0, 2, "<2>")}
     assert out[2]["9"].logprob == -9999.0 and out[2]["9"].rank == 2 and out[2]["5"].rank == 1

@@ -113,7 +113,9 @@ def test_float_gguf_runs_bit_for_bit_as_its_checkpoint(arch, tiny_models, tmp_pa
     from_hf = LLM(path, **kwargs).generate(_prompts(), GREEDY, use_tqdm=False)
     for a, b in zip(from_gguf, from_hf):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        # the GGUF carries a tokenizer and the HF folder none: decoded_token differs, values and ranks may not
+        assert [{t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in a.outputs[0].logprobs] == [
+            {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in b.outputs[0].logprobs]
 
 
 def test_quantized_experts_run_as_shipped(tiny_models, tmp_path):
@@ -134,5 +136,5 @@ def test_quantized_experts_run_as_shipped(tiny_models, tmp_path):
         a, b = ours.outputs[0], ref.outputs[0]
         i = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if i is not None:  # only at a near-tie of the float run
-            top2 = sorted(b.logprobs[i].values(), reverse=True)[:2]
+            top2 = sorted((lp.logprob for lp in b.logprobs[i].values()), reverse=True)[:2]
             assert top2[0] - top2[1] < 1e-3, f"diverged at step {i} away from a tie"

@@ -27,7 +27,7 @@ def test_greedy_and_logprobs_match_transformers(arch, tiny_models):
         assert_greedy_match(out.outputs[0].token_ids, ref, gaps, label=f"{arch} len={len(prompt)}")
         ref_logprobs = torch.log_softmax(first_logits, -1)
         for token_id, logprob in out.outputs[0].logprobs[0].items():
-            assert logprob == pytest.approx(float(ref_logprobs[token_id]), abs=1e-4)
+            assert logprob.logprob == pytest.approx(float(ref_logprobs[token_id]), abs=1e-4)
     llm.engine.check_integrity()
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.kv_cache_manager.num_blocks
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from kvflow import LLM, BeamSearchParams, SamplingParams
+from kvflow import LLM, BeamSearchParams, Logprob, SamplingParams
 
 EOS = 2  # the tiny models' eos_token_id (LlamaConfig's default)
 
@@ -164,6 +164,11 @@ def test_score_at_powers_beyond_float_range(length_penalty, cum_logprob, score):
     assert beam_score(BeamSearchSequence([5, 6, 7, 8], cum_logprob=cum_logprob), [EOS], length_penalty) == score
 
 
+def _entry(logprobs: dict[int, float]) -> dict[int, Logprob]:
+    """One step's engine entry for a beam (the sampler's records; the search reads `.logprob`)."""
+    return {t: Logprob(v) for t, v in logprobs.items()}
+
+
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_state_machine_by_hand(include_stop):
     """Two steps of width 2 with EOS among the candidates: EOS ends a beam, the rest compete."""
@@ -171,10 +176,10 @@ def test_state_machine_by_hand(include_stop):
 
     search = BeamSearch([10, 11], BeamSearchParams(beam_width=2, max_tokens=2, include_stop_str_in_output=include_stop),
                         [EOS], max_model_len=100)
-    search.advance([{20: -0.1, EOS: -0.2, 21: -1.0, 22: -3.0}])
+    search.advance([_entry({20: -0.1, EOS: -0.2, 21: -1.0, 22: -3.0})])
     assert [b.tokens for b in search.beams] == [[10, 11, 20], [10, 11, 21]]
     assert [c.tokens for c in search.completed] == [[10, 11, EOS]]
-    search.advance([{30: -0.5, 31: -2.0}, {32: -0.1, 33: -0.2}])
+    search.advance([_entry({30: -0.5, 31: -2.0}), _entry({32: -0.1, 33: -0.2})])
     assert search.done
     out = search.result(_Tokenizer()).sequences
     # scores: EOS beam -0.2/2 = -0.1; [20, 30] -0.6/4 = -0.15; [21, 32] -1.1/4 = -0.275

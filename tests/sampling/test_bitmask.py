@@ -74,7 +74,7 @@ def test_mask_comes_before_penalties_and_logprobs():
     params = [SamplingParams(temperature=0, repetition_penalty=2.0, logprobs=1)]
     out = Sampler()(logits, meta_for(params, 40, mask, outputs=[[5]]))
     assert out.token_ids == [9]
-    assert out.logprobs[0][9] == pytest.approx(-math.log1p(math.exp(-1.0)), abs=1e-6)
+    assert out.logprobs[0][9].logprob == pytest.approx(-math.log1p(math.exp(-1.0)), abs=1e-6)
     assert set(out.logprobs[0]) == {9}
 
 

@@ -45,7 +45,7 @@ def test_logit_bias_is_added_before_logprobs_and_penalties():
     logits = _logits(1)
     out = Sampler()(logits, _meta(params))
     want = torch.log_softmax(logits[0] + torch.nn.functional.one_hot(torch.tensor(4), V) * 2.5, dim=-1)
-    assert out.logprobs[0][3] == pytest.approx(float(want[3]))
+    assert out.logprobs[0][3].logprob == pytest.approx(float(want[3]))
     assert logits[0, 4] == -1.0, "the step's logits must not be edited in place"
 
 

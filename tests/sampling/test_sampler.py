@@ -242,7 +242,7 @@ def test_penalties_match_hand_computation() -> None:
         assert len(got) == vocab
         want = torch.log_softmax(expected, dim=-1)
         for tok, lp in got.items():
-            assert lp == pytest.approx(float(want[tok]), abs=1e-5)
+            assert lp.logprob == pytest.approx(float(want[tok]), abs=1e-5)
 
 
 def test_penalty_only_rows_with_penalty_change() -> None:
@@ -253,7 +253,7 @@ def test_penalty_only_rows_with_penalty_change() -> None:
     ]
     out = Sampler()(logits, _meta(params, 20, prompts=[[1], [1]], outputs=[[4, 4], [4, 4]]))
     want = torch.log_softmax(logits[0], dim=-1)
-    assert all(lp == pytest.approx(float(want[t]), abs=1e-6) for t, lp in out.logprobs[0].items())
+    assert all(lp.logprob == pytest.approx(float(want[t]), abs=1e-6) for t, lp in out.logprobs[0].items())
 
 
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
@@ -267,7 +267,7 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     ]
     out = Sampler()(logits, _meta(params, vocab, outputs=[[1], [1, 1], [1, 1, 1]]))
     assert out.token_ids == [6, EOS, EOS]
-    assert out.logprobs[0][EOS] == -math.inf and out.logprobs[0][5] == -math.inf
+    assert out.logprobs[0][EOS].logprob == -math.inf and out.logprobs[0][5].logprob == -math.inf
 
 
 def test_min_tokens_applies_to_random_rows() -> None:
@@ -290,17 +290,21 @@ def test_logprobs_match_log_softmax() -> None:
     ]
     out = Sampler()(logits, _meta(params, 50))
     want = torch.log_softmax(logits, dim=-1)
-    assert out.logprobs[2] is None and out.ranks[2] is None
+    assert out.logprobs[2] is None
     for i, p in enumerate(params):
         if p.logprobs is None:
             continue
         sampled = out.token_ids[i]
         top = want[i].topk(p.logprobs).indices.tolist() if p.logprobs else []
         assert set(out.logprobs[i]) == set(top) | {sampled}
+        assert next(iter(out.logprobs[i])) == sampled  # the sampled token first, as vLLM orders them
         for tok, lp in out.logprobs[i].items():
-            assert lp == pytest.approx(float(want[i, tok]), abs=1e-5)
-        assert out.ranks[i] == int((want[i] > want[i, sampled]).sum()) + 1
-    assert out.ranks[0] == 1 and out.ranks[4] == 1
+            assert lp.logprob == pytest.approx(float(want[i, tok]), abs=1e-5)
+            # vLLM's ranks: the sampled token's measured, the others' order among the top k
+            rank = int((want[i] > want[i, tok]).sum()) + 1 if tok == sampled else top.index(tok) + 1
+            assert lp.rank == rank
+            assert lp.decoded_token is None  # the engine names tokens; the sampler has no tokenizer
+    assert out.logprobs[0][out.token_ids[0]].rank == 1 and out.logprobs[4][out.token_ids[4]].rank == 1
 
 
 def test_temperature_does_not_affect_logprobs() -> None:
@@ -309,7 +313,7 @@ def test_temperature_does_not_affect_logprobs() -> None:
     hot = SamplingParams(temperature=3.0, top_k=2, logprobs=4, seed=0)
     b = Sampler()(logits, _meta([hot], 30)).logprobs[0]
     common = set(a) & set(b)
-    assert common and all(a[t] == pytest.approx(b[t]) for t in common)
+    assert common and all(a[t].logprob == pytest.approx(b[t].logprob) for t in common)
 
 
 def test_build_rejects_ragged_inputs() -> None:

@@ -95,7 +95,8 @@ def test_greedy_keeps_drafts_while_they_equal_the_argmax():
     assert len(full.logprobs) == 3
     expected = torch.log_softmax(logits, dim=-1)
     for j, lp in enumerate(full.logprobs):
-        assert lp[target[j]] == pytest.approx(float(expected[j, target[j]]), abs=1e-6)
+        assert lp[target[j]].logprob == pytest.approx(float(expected[j, target[j]]), abs=1e-6)
+        assert lp[target[j]].rank == 1  # greedy: each emitted token is its row's argmax
 
 
 def test_penalties_see_the_drafts_as_already_generated():

@@ -22,14 +22,15 @@ The cumulative logprob is summed here, over the kept tokens in order, as the eng
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvflow.entrypoints.core import wire
-from kvflow.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from kvflow.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestMetrics, RequestOutput
 from kvflow.pooling.params import PoolingParams
-from kvflow.sampling.detokenizer import CompletionText
+from kvflow.sampling.detokenizer import CompletionText, decode_token, name_tokens
 from kvflow.sampling.params import SamplingParams
 
 
@@ -37,7 +38,7 @@ from kvflow.sampling.params import SamplingParams
 class _Completion:
     text: CompletionText
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -49,8 +50,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams | PoolingParams
     completions: list[_Completion]
-    prompt_logprobs: list | None = None
-    prompt_token_ranks: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     lora_request: Any = None  # the kvflow.lora.LoRARequest it runs with, for its outputs
 
 
@@ -70,6 +70,8 @@ class OutputAssembler:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
+        # Each logprob's decoded_token, made here as the text is: the core sends none.
+        self._decode_token = functools.lru_cache(maxsize=1 << 16)(functools.partial(decode_token, tokenizer))
 
     def start(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
               params: SamplingParams | PoolingParams, lora_request: Any = None) -> None:
@@ -93,7 +95,7 @@ class OutputAssembler:
 
     def decode(self, entry: list) -> Assembled | None:
         """The output of one core entry; None when the request is no longer followed here (aborted)."""
-        rid, core_finished, num_cached, m, comps, prompt_lps, ranks = entry
+        rid, core_finished, num_cached, m, comps, prompt_lps = entry
         req = self._requests.get(rid)
         if req is None:
             return None
@@ -104,13 +106,14 @@ class OutputAssembler:
             c = req.completions[index]
             if c.finish_reason is not None:  # a stop string ended it already; the core's later tokens are dropped
                 continue
+            lps = None if lps is None else self._logprobs(lps, req.params)
             kept, by_stop_string = self._add_tokens(c, req.params, toks, lps, reason, stop_reason)
             if index == 0:
                 new_ids = toks[:kept]
             if by_stop_string and reason is None:  # the core still runs this sample
                 stopped_here.append(index)
         if prompt_lps is not None:
-            req.prompt_logprobs, req.prompt_token_ranks = prompt_lps, ranks
+            req.prompt_logprobs = self._logprobs(prompt_lps, req.params)
         finished = all(c.finish_reason is not None for c in req.completions)
         metrics = RequestMetrics(*m)
         if finished:
@@ -125,14 +128,21 @@ class OutputAssembler:
         out = RequestOutput(rid, req.prompt, req.prompt_token_ids, outputs, finished, metrics,
                             num_cached_tokens=num_cached, new_token_ids=new_ids if single else [],
                             new_text=(text[prev_len:] if len(text) >= prev_len else "") if single else "",
-                            prompt_logprobs=req.prompt_logprobs, prompt_token_ranks=req.prompt_token_ranks,
+                            prompt_logprobs=req.prompt_logprobs,
                             lora_request=req.lora_request)
         if finished:
             return Assembled(out, abort_request=not core_finished)
         return Assembled(out, abort_samples=stopped_here)
 
+    def _logprobs(self, entries: list[dict | None], params: SamplingParams) -> list[dict[int, Logprob] | None]:
+        """The core's logprob entries as `Logprob`s, their tokens named unless the request asked for no text."""
+        out = [wire.decode_logprobs(e) for e in entries]
+        if params.detokenize and self.tokenizer is not None:
+            name_tokens(out, self._decode_token)
+        return out
+
     @staticmethod
-    def _add_tokens(c: _Completion, params: SamplingParams, toks: list[int], lps: list | None,
+    def _add_tokens(c: _Completion, params: SamplingParams, toks: list[int], lps: list[dict[int, Logprob]] | None,
                     reason: str | None, stop_reason: str | int | None) -> tuple[int, bool]:
         """Append a step's tokens to one completion, in the engine's order of stop checks: how many
         were kept, and whether a stop string ended it."""
@@ -141,7 +151,7 @@ class OutputAssembler:
             c.token_ids.append(tid)
             if lps is not None and c.logprobs is not None:
                 c.logprobs.append(lps[i])
-                c.cumulative_logprob += lps[i].get(tid, 0.0)
+                c.cumulative_logprob += lps[i][tid].logprob
             if i == last and reason is not None and reason != "length":
                 c.text.add_token(tid, stops=reason == "stop")
                 break  # EOS, a stop token or the grammar ended it on this token: checked before stop strings

@@ -26,7 +26,7 @@ import torch
 
 from kvflow.engine.llm_engine import EngineStats
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from kvflow.outputs import Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from kvflow.pooling.params import PoolingParams
 from kvflow.sampling.params import SamplingParams
 from kvflow.spec_decode.speculator import SpecDecodeStats
@@ -145,21 +145,30 @@ class OutputDeltas:
         for comp in out.outputs:
             s = sent.setdefault(comp.index, _Sent())
             lps = comp.logprobs  # output tokens and their logprobs only ever grow
-            comps.append([comp.index, comp.token_ids[s.num_tokens:], None if lps is None else lps[s.num_logprobs:],
+            comps.append([comp.index, comp.token_ids[s.num_tokens:],
+                          None if lps is None else [encode_logprobs(e) for e in lps[s.num_logprobs:]],
                           comp.finish_reason, comp.stop_reason])
             s.num_tokens, s.num_logprobs = len(comp.token_ids), len(lps or ())
-        prompt_lps = ranks = None
+        prompt_lps = None
         if out.prompt_logprobs is not None and len(out.prompt_logprobs) != self._prompt_logprobs_sent.get(out.request_id):
             self._prompt_logprobs_sent[out.request_id] = len(out.prompt_logprobs)  # in practice: once, complete
-            prompt_lps, ranks = out.prompt_logprobs, out.prompt_token_ranks
+            prompt_lps = [encode_logprobs(e) for e in out.prompt_logprobs]
         if out.finished:
             self.forget(out.request_id)
-        return [out.request_id, out.finished, out.num_cached_tokens, _encode_metrics(out.metrics), comps, prompt_lps,
-                ranks]
+        return [out.request_id, out.finished, out.num_cached_tokens, _encode_metrics(out.metrics), comps, prompt_lps]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
         self._prompt_logprobs_sent.pop(request_id, None)
+
+
+def encode_logprobs(entry: dict[int, Logprob] | None) -> dict[int, list] | None:
+    """{token id: [logprob, rank]}: the core never detokenizes, so no decoded_token crosses."""
+    return None if entry is None else {t: [lp.logprob, lp.rank] for t, lp in entry.items()}
+
+
+def decode_logprobs(entry: dict[int, list] | None) -> dict[int, Logprob] | None:
+    return None if entry is None else {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()}
 
 
 def _encode_metrics(m: RequestMetrics) -> list:
@@ -172,7 +181,7 @@ POOLED = "pooled"  # the tag that ends an embedding's entry
 
 
 def encode_pooled(out: PoolingRequestOutput) -> list:
-    """[request_id, num_cached_tokens, metrics, float32 bytes, POOLED] (a token delta has seven
+    """[request_id, num_cached_tokens, metrics, float32 bytes, POOLED] (a token delta has six
     items, the last a list or None; an error four)."""
     data = out.outputs.data.numpy().astype("<f4").tobytes()
     return [out.request_id, out.num_cached_tokens, _encode_metrics(out.metrics), data, POOLED]

@@ -45,6 +45,7 @@ from kvflow.entrypoints.openai.tool_parsers import make_tool_parser
 from kvflow.loader.tokenizer import token_bytes
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
+from kvflow.sampling.detokenizer import decode_token
 from kvflow.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for tokens checks that its client is still there
@@ -97,7 +98,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         if tok is None:  # a model without a tokenizer: name tokens by id, as vLLM's token-id mode does
             return f"token_id:{token_id}"
-        return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return decode_token(tok, token_id)
 
     def _token_bytes(self, token_id: int) -> bytes:
         tok = self.engine.tokenizer
@@ -153,9 +154,9 @@ class OpenAIServer:
         return final
 
     def prompt_logprobs(self, out: RequestOutput) -> p.PromptLogprobs | None:
-        if out.prompt_logprobs is None or out.prompt_token_ranks is None:
+        if out.prompt_logprobs is None:
             return None
-        return prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, out.prompt_token_ranks, self.decode_token)
+        return prompt_logprobs(out.prompt_logprobs, self.decode_token)
 
     def echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else "".join(self.decode_token(t) for t in ids)

@@ -6,7 +6,7 @@
   runner.execute()          flat tensors -> model -> logits of the completing rows -> sampler
                             (or the rejection sampler, for rows carrying drafts); prompt
                             logprobs of the chunks of requests that asked, appended at once
-  _append_tokens()          detokenize, check stop conditions token by token
+  _append_tokens()          detokenize, check stop conditions token by token (stop_checker.py)
   scheduler.update_after_step()   num_computed_tokens advanced past the kept tokens, rejected
                             drafts' blocks freed, full blocks published for reuse
   scheduler.finish()        retire the sequences that stopped
@@ -37,6 +37,7 @@ from kvflow.engine.request_state import EngineStats, RequestState, make_output, 
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.step_shape import StepShape, step_shape
+from kvflow.engine.stop_checker import check_stop
 from kvflow.loader import load_model_config, resolve_model_path
 from kvflow.loader.generation_config import SamplingDefaults, load_sampling_defaults
 from kvflow.lora.request import LoRARequest
@@ -350,7 +351,7 @@ class LLMEngine:
         return self._decode_token if seq.params.detokenize and self.tokenizer is not None else None
 
     def _append_token(self, req: RequestState, tid: int, logprobs: dict[int, Logprob] | None) -> SequenceStatus | None:
-        seq, params = req.seq, req.seq.params
+        seq = req.seq
         seq.output_token_ids.append(tid)
         req.new_token_ids.append(tid)
         self.generation_tokens_total += 1
@@ -359,33 +360,7 @@ class LLMEngine:
                 name_tokens([logprobs], decode)
             seq.output_logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[tid].logprob  # the sampler always reports the sampled token
-        n_out = len(seq.output_token_ids)
-        eos = tid in self.eos_token_ids and n_out >= params.min_tokens
-        stop_token = tid in params.stop_token_ids and n_out >= params.min_tokens
-        ends = stop_token or (eos and (not params.ignore_eos or seq.grammar_state is not None))
-        req.output.add_token(tid, stops=ends)  # a stopping token adds no text (CompletionText.add_token)
-        if seq.grammar_state is not None:
-            if not seq.grammar_state.accept(tid):  # the sampler picks allowed tokens only: a broken invariant,
-                logger.error("structured output: token %d of request %s is not allowed by its grammar; "
-                             "aborting it", tid, seq.request_id)  # which ends this request, not the batch
-                return SequenceStatus.FINISHED_ABORTED
-            if seq.grammar_state.is_terminated:  # the grammar is complete (its stop token accepted)
-                return SequenceStatus.FINISHED_STOPPED
-        if eos and not params.ignore_eos:
-            return SequenceStatus.FINISHED_STOPPED
-        if stop_token:
-            seq.stop_reason = tid
-            return SequenceStatus.FINISHED_STOPPED
-        if n_out >= params.min_tokens:
-            stop = req.output.find_stop()
-            if stop is not None:
-                seq.stop_reason = stop
-                return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and n_out >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+        return check_stop(req, tid, self.eos_token_ids, self.max_model_len)
 
     # ---- observability -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

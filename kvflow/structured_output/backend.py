@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvflow.structured_output.json_schema import describe_unenforced
 from kvflow.structured_output.params import StructuredOutputsParams
 
 
@@ -74,6 +75,8 @@ class XGrammarBackend:
         """xgrammar's CompiledGrammar for `params`; StructuredOutputError if it does not compile."""
         kind = params.kind
         compact = params.disable_any_whitespace
+        if kind == "json" and (refusal := describe_unenforced(params.schema())) is not None:
+            raise StructuredOutputError(f"structured_outputs.json: {refusal}", field=kind)
         try:
             if kind == "json":
                 return self.compiler.compile_json_schema(params.schema_text(), any_whitespace=not compact)

@@ -77,11 +77,13 @@ class StructuredOutputsParams:
         """Which constraint this is: one of KINDS."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema as a dict (parsed when it was given as text)."""
+        return json.loads(self.json) if isinstance(self.json, str) else self.json
+
     def schema_text(self) -> str:
         """The JSON schema as compact text, keys in the caller's order (it is the order of the output's keys)."""
-        if isinstance(self.json, str):
-            return json.dumps(json.loads(self.json), separators=(",", ":"))
-        return json.dumps(self.json, separators=(",", ":"))
+        return json.dumps(self.schema(), separators=(",", ":"))
 
     def cache_key(self) -> tuple:
         """Equal for constraints that compile to the same grammar: the compiled-grammar cache's key."""

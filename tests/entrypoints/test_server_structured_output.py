@@ -135,6 +135,9 @@ BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                          "schema": SCHEMA_NO_ROOT}}},
      "response_format", "response_format.json_schema.schema: invalid JSON schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+     "response_format", "cannot enforce 'uniqueItems' at /"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs json_schema.schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),

@@ -33,12 +33,18 @@ class DistributedLaunch:
 
 
 def check_servable(parallel: ParallelConfig, config: EngineConfig, model_config: ModelConfig, quantization) -> None:
-    """Refuse, before any process starts, what the distributed path does not run."""
-    parallel.check_model(model_config)
+    """Refuse, before any process starts, what the distributed path does not run here."""
+    check_layout(parallel, config, model_config, quantization)
     cores = usable_cpus()
     if parallel.backend == "mp" and parallel.world_size > cores and os.environ.get("KVFLOW_OVERSUBSCRIBE") != "1":
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {parallel.world_size} ranks, but this "
                          f"process may use {cores} CPU cores (KVFLOW_OVERSUBSCRIBE=1 runs them anyway, sharing cores)")
+
+
+def check_layout(parallel: ParallelConfig, config: EngineConfig, model_config: ModelConfig, quantization) -> None:
+    """Refuse what the distributed path runs on no machine: a split the model's shapes do not allow,
+    and what it does not support yet. `kvflow plan` checks this too, as it plans for other machines."""
+    parallel.check_model(model_config)
     if config.speculative_config is not None and config.speculative_config.method == "draft_model":
         raise ValueError("speculative_config: a draft model is not supported with the distributed executor yet "
                          "(the n-gram proposer is)")

@@ -29,7 +29,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from kvflow.loader import load_model_config, resolve_model_path, resolve_quantization
     from kvflow.spec_decode.config import SpeculativeConfig
 
-    engine_config_from_args(args)  # the engine's own checks of every option, before any plan is printed
+    config = engine_config_from_args(args)  # the engine's own checks of every option, before any plan is printed
     path = resolve_model_path(args.model)
     cfg = load_model_config(path)
     dtype = resolve_dtype(args.dtype, cfg)
@@ -43,7 +43,7 @@ def run_plan(args: argparse.Namespace) -> int:
     quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
                                         args.quantize_lm_head, args.dtype)
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-        return _plan_ranks(args, path, cfg, dtype, max_model_len, quantization)
+        return _plan_ranks(args, config, path, cfg, dtype, max_model_len, quantization)
     from kvflow.device import resolve_device
     from kvflow.engine.memory_plan import device_memory_inputs
 
@@ -84,12 +84,17 @@ def _experts(cfg) -> str:
             f"{cfg.num_hidden_layers} layers: a token reads {active / 1e9:.2f} B")
 
 
-def _plan_ranks(args: argparse.Namespace, path: str, cfg, dtype, max_model_len: int, quantization) -> int:
-    """`kvflow plan -tp T -pp P [--device-memory 80GiB]`: one row per rank (kvflow.distributed.plan)."""
+def _plan_ranks(args: argparse.Namespace, config: EngineConfig, path: str, cfg, dtype, max_model_len: int,
+                quantization) -> int:
+    """`kvflow plan -tp T -pp P [--device-memory 80GiB]`: one row per rank (kvflow.distributed.plan).
+    What `serve` would refuse on any machine is refused here too (this machine's core count is not:
+    the plan may be for another)."""
     from kvflow.distributed.config import ParallelConfig
+    from kvflow.distributed.launch import check_layout
     from kvflow.distributed.plan import describe_ranks, plan_ranks
 
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    check_layout(parallel, config, cfg, quantization)
     plans = plan_ranks(cfg, parallel, dtype, args.block_size, max_model_len, kv_cache_memory=args.kv_cache_memory,
                        device_memory=args.device_memory, memory_utilization=args.memory_utilization,
                        quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)

@@ -94,6 +94,9 @@ def test_plan_options_and_errors(llama3_config, capsys):
     (["--max-model-len", "0", "-pp", "2"], "max_model_len must be a positive integer, got 0"),
     (["-tp", "0"], "tensor_parallel_size must be a positive integer, got 0"),
     (["--memory-utilization", "3"], r"memory_utilization must be a fraction in \(0, 1\], got 3.0"),
+    # what `serve` refuses on any machine: a split the heads do not allow, quantized weights split by T
+    (["-tp", "3"], "tensor_parallel_size=3 does not divide the model's 32 attention heads"),
+    (["-tp", "2", "--quantization", "int8"], "quantization=int8: tensor_parallel_size=2 splits float weights only"),
 ])
 def test_plan_refuses_what_the_engine_refuses(llama3_config, capsys, flags, message):
     """`kvflow plan` runs the engine's option checks: no ZeroDivisionError, no negative plan."""

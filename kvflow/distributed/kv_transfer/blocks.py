@@ -33,13 +33,20 @@ class KVLayout:
         return asdict(self)
 
 
-def layout_of(engine: Any) -> KVLayout | None:
-    """The engine's block layout, or None where blocks cannot move (int8 KV, a draft model's pool, no prefix cache)."""
+def layout_of(engine: Any) -> KVLayout:
+    """The engine's block layout; a ValueError naming the setting where its blocks cannot move."""
+    if engine.distributed:
+        raise ValueError(f"kv_transfer_config: not supported with the distributed executor "
+                         f"({engine.parallel.describe()}) yet: the KV blocks live in the worker processes")
+    if engine.speculator is not None:
+        raise ValueError("kv_transfer_config: not supported with speculative decoding (speculative_config) yet")
     caches = engine.runner.kv_caches
-    if not caches or not isinstance(caches[0], torch.Tensor) or engine.speculator is not None:
-        return None
+    if not caches or not isinstance(caches[0], torch.Tensor):
+        raise ValueError(f"kv_transfer_config: kv_cache_dtype={engine.config.kv_cache_dtype!r} blocks cannot be "
+                         "transferred yet (their scales live beside them); serve with kv_cache_dtype='auto'")
     if not engine.kv_cache_manager.enable_prefix_caching:
-        return None
+        raise ValueError("kv_transfer_config: needs prefix caching, which finds the blocks by their hashes; "
+                         "serve without --no-enable-prefix-caching")
     _, _, block_size, kv_heads, head_dim = caches[0].shape
     return KVLayout(len(caches), block_size, kv_heads, head_dim, str(caches[0].dtype).removeprefix("torch."))
 

@@ -41,10 +41,7 @@ class ZmqKVConnector(KVConnectorScheduler):
     def __init__(self, engine: Any, config: KVTransferConfig) -> None:
         self.config = config
         self.stats = TransferStats()
-        self.layout = layout_of(engine.engine)
-        if self.layout is None:
-            raise ValueError("kv_transfer_config: this engine's KV blocks cannot be transferred (int8 KV cache, "
-                             "speculative decoding or prefix caching off)")
+        self.layout = layout_of(engine.engine)  # ValueError where this engine's blocks cannot move
 
     async def prepare_request(self, engine: Any, token_ids: list[int], params: dict[str, Any]) -> KVLoadResult:
         start = time.perf_counter()

@@ -67,10 +67,7 @@ class ZmqKVServer:
     def __init__(self, engine: Any, config: KVTransferConfig) -> None:
         self.engine, self.config = engine, config
         self.stats = TransferStats()
-        self.layout = layout_of(engine.engine)
-        if self.layout is None:
-            raise ValueError("kv_transfer_config: this engine's KV blocks cannot be transferred (int8 KV cache, "
-                             "speculative decoding or prefix caching off)")
+        self.layout = layout_of(engine.engine)  # ValueError where this engine's blocks cannot move
         self._subs: dict[bytes, _Subscription] = {}
         self._lock = threading.Lock()  # the subscriptions: the server loop adds and expires, the engine thread sends
         self._ctx = zmq.asyncio.Context()

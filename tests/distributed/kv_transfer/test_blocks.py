@@ -44,3 +44,16 @@ def test_kv_transfer_config_refusals_name_the_key():
                         ('{"kv_role": "kv_producer", "kv_port": 70000}', "kv_port")]:
         with pytest.raises(ValueError, match=words):
             KVTransferConfig.parse(text)
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype='int8' blocks cannot be transferred"),
+    ({"enable_prefix_caching": False}, "needs prefix caching"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
+])
+def test_an_engine_whose_blocks_cannot_move_names_the_setting(tmp_path, options, words):
+    """Each cause has its own message (one message listing three causes left the user guessing)."""
+    path, _ = save_tiny_llama(tmp_path / "m")
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 << 20, **options)
+    with pytest.raises(ValueError, match=words):
+        layout_of(llm.engine)

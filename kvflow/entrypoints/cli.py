@@ -64,17 +64,20 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
-    g.add_argument("--uvicorn-log-level", default="info")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvflow.entrypoints.async_engine import AsyncEngine
-    from kvflow.entrypoints.openai.lifecycle import serve_until_drained
+    from kvflow.entrypoints.openai.lifecycle import bind_socket, serve_until_drained
     from kvflow.entrypoints.openai.server import build_app
 
     if args.shutdown_timeout < 0:  # before the weights load
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.max_waiting is not None and args.max_waiting < -1:
+        raise ValueError(f"--max-waiting must be >= 0, or -1 for no limit, got {args.max_waiting}")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: the parser reads the calls "
                          "the model chooses to make")
@@ -88,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvflow.entrypoints.openai.adapters import ServedModels
 
         ServedModels.from_specs("", args.lora_modules)  # a bad entry or folder fails here, before the weights load
+    sock = bind_socket(args.host, args.port)  # a port in use fails here, before the weights load
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
     kv_transfer = None
     if args.kv_transfer_config is not None:  # checked before the weights load
@@ -120,8 +124,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("try: curl %s/v1/completions -H 'Content-Type: application/json'%s "
                 "-d '{\"model\": \"%s\", \"prompt\": \"Hello, my name is\", \"max_tokens\": 32}'", url, auth, name)
     try:
-        return serve_until_drained(app, engine, args.host, args.port, args.uvicorn_log_level, args.shutdown_timeout)
+        return serve_until_drained(app, engine, sock, args.uvicorn_log_level, args.shutdown_timeout)
     finally:
+        sock.close()
         engine.shutdown()
 
 
@@ -191,7 +196,9 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference on the CPU")
-    parser.add_argument("--log-level", default=None, help="python logging level (default: INFO for serve)")
+    parser.add_argument("--log-level", default=None, type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                        help="python logging level (default: INFO for serve and router, else WARNING)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in SUBCOMMANDS:
         register(sub)

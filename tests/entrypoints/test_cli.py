@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -136,11 +137,31 @@ def test_parser_has_subcommands_and_engine_options():
     (["--enable-lora", "--lora-modules", "a=/nonexistent/adapter"], "is not a directory"),
     (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
     (["--pooler-config", '{"pooling_type": "CLS"}'], "pooling_type 'CLS' is not supported"),
+    (["--max-waiting", "-5"], "--max-waiting must be >= 0, or -1 for no limit, got -5"),
 ])
 def test_tool_call_and_lora_flags_are_checked_before_the_weights_load(flags, message):
     args = cli.build_parser().parse_args(["serve", "--model", "/nonexistent", *flags])
     with pytest.raises(ValueError, match=message):
         cli.run_serve(args)
+
+
+def test_a_port_in_use_fails_before_the_weights_load():
+    """Before: the model loaded, "serving on ..." was logged, then uvicorn died on EADDRINUSE."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = cli.build_parser().parse_args(["serve", "--model", "/nonexistent", "--port", str(port)])
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            cli.run_serve(args)
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "foo", "plan"], ["serve", "--uvicorn-log-level", "foo"]])
+def test_log_levels_are_choices(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and "invalid choice: 'foo'" in capsys.readouterr().err.replace("FOO", "foo")
+    assert cli.build_parser().parse_args(["--log-level", "debug", "plan"]).log_level == "DEBUG"
 
 
 def test_generate_console_script():

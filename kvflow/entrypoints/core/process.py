@@ -59,7 +59,10 @@ def run_engine_core(config: EngineConfig, max_waiting: int | None, commands_addr
     try:
         engine = AsyncEngine.from_config(config, max_waiting=max_waiting, kv_transfer_config=kv_transfer_config)
     except BaseException as exc:  # bad config, missing weights: the API server reports it and exits
-        logger.exception("the engine core failed to start")
+        if isinstance(exc, (ValueError, OSError)):  # the user's to fix: the server prints the message, once
+            logger.debug("the engine core failed to start", exc_info=True)
+        else:  # a bug: its traceback is what tells where
+            logger.exception("the engine core failed to start")
         out.send(wire.pack((wire.FAILED, *wire.encode_error(exc))))
         out.close()
         ctx.term()

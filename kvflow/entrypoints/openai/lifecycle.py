@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from types import FrameType
@@ -162,17 +163,36 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve_until_drained(app: Any, engine: AsyncEngine, host: str, port: int, log_level: str = "info",
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the weights load: a port in use fails at once, not after
+    the model has loaded (uvicorn then listens on this socket). OSError naming the address."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port} (--host, --port): {exc.strerror or exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: no wait after a restart
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port} (--host, --port): {exc.strerror}") from None
+    return sock
+
+
+def serve_until_drained(app: Any, engine: AsyncEngine, sock: socket.socket, log_level: str = "info",
                         shutdown_timeout: float = 30.0) -> int:
-    """Serve `app` (from `build_app`) until a signal has drained it; the exit status (0, or 1
-    when the engine died on its own).
+    """Serve `app` (from `build_app`) on `sock` (`bind_socket`) until a signal has drained it; the
+    exit status (0, or 1 when the engine died on its own).
 
     uvicorn's own graceful-shutdown timeout only backs the drain up: by the time uvicorn
     shuts down, nothing should be in flight any more.
     """
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=ABORT_GRACE_S)
     server = GracefulServer(config, engine, app.state.drain, shutdown_timeout)
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_status

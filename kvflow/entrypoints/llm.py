@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from typing import Any, Sequence as Seq
@@ -72,12 +73,18 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt's hidden states into one vector (`pooler_config` says how: the last
-        token by default, L2-normalised); outputs in input order, `outputs.data` a float32 tensor."""
+        token by default, L2-normalised); outputs in input order, `outputs.data` a float32 tensor.
+        `truncate_prompt_tokens` (vLLM's keyword) sets every prompt's `PoolingParams` field of that name."""
         prompts = _as_prompt_list(prompts)
         params_list = _one_per_prompt(PoolingParams() if pooling_params is None else pooling_params, PoolingParams,
                                       len(prompts), "pooling_params")
+        if truncate_prompt_tokens is not None:
+            if any(p.truncate_prompt_tokens not in (None, truncate_prompt_tokens) for p in params_list):
+                raise ValueError("truncate_prompt_tokens: given both as a keyword and in pooling_params, differently")
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         return self._submit_and_run(prompts, params_list, use_tqdm, priority, lora_request)
 
     def embed(
@@ -87,9 +94,11 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """`encode`, with each vector as `outputs.embedding`, a list of floats (vLLM's `LLM.embed`)."""
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request,
+                           truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput.from_base(out) for out in outs]
 
     def beam_search(

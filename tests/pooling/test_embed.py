@@ -187,6 +187,21 @@ def test_prompt_may_fill_max_model_len(tiny):
         llm.generate({"prompt_token_ids": p}, use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_as_vllms_keyword(tiny):
+    """LLM.embed/encode(..., truncate_prompt_tokens=k): the prompt's last k tokens, as vLLM takes it."""
+    path, hf = tiny
+    llm = LLM(path, dtype="float32", max_model_len=48)
+    p = prompts(11, 1, 60, 60)[0]  # longer than the model: refused unless cut
+    got = llm.embed({"prompt_token_ids": p}, use_tqdm=False, truncate_prompt_tokens=20)[0]
+    assert got.prompt_token_ids == p[-20:]
+    torch.testing.assert_close(torch.tensor(got.outputs.embedding), hf_vector(hf, p[-20:]), rtol=1e-4, atol=1e-5)
+    same = llm.encode({"prompt_token_ids": p}, PoolingParams(truncate_prompt_tokens=20), use_tqdm=False,
+                      truncate_prompt_tokens=20)[0]
+    assert same.outputs.data.tolist() == got.outputs.embedding
+    with pytest.raises(ValueError, match="truncate_prompt_tokens: given both"):
+        llm.encode({"prompt_token_ids": p}, PoolingParams(truncate_prompt_tokens=10), truncate_prompt_tokens=20)
+
+
 @pytest.fixture(scope="module")
 def matryoshka(tiny, tmp_path_factory):
     """The tiny model's folder with a config.json that declares Matryoshka dimensions."""

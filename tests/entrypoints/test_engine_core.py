@@ -198,8 +198,10 @@ def test_killed_core_fails_requests_and_health(split_server):
     assert time.monotonic() - started < 30
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["type"] == "server_error" and "died" in error["message"]
+    # the stream's error event has the code a request answered whole gets (an int 500 before)
+    assert error["type"] == "server_error" and "died" in error["message"] and error["code"] == "engine_dead"
     health = http.get("/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4})
-    assert r.status_code in (500, 503) and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.status_code == 503 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["code"] == "engine_dead"

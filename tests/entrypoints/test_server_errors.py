@@ -6,6 +6,7 @@ the module; every test leaves the engine idle.
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -105,6 +106,25 @@ def test_step_error_fails_request_and_keeps_serving(live_server, client):
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices[0].finish_reason
     assert live_server.engine.num_step_errors == errors_before + 1
+    assert live_server.wait_pool_free()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streams_error_event_has_the_code_a_whole_answer_gets(live_server, http, path):
+    engine = live_server.engine.engine
+
+    def broken_step():
+        del engine.step
+        raise RuntimeError("injected failure")
+
+    engine.step = broken_step
+    body = {"model": MODEL_NAME, "max_tokens": 4, "stream": True,
+            **({"messages": CHAT} if "chat" in path else {"prompt": "hi"})}
+    with http.stream("POST", path, json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "engine_step_failed")  # a string, as unstreamed
     assert live_server.wait_pool_free()
 
 

@@ -39,6 +39,17 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def engine_failure(exc: EngineDeadError | EngineStepError) -> tuple[int, str]:
+    """The status and code of an engine failure: the same for a request answered whole and for a
+    stream's error event (which can no longer change its status)."""
+    return (503, "engine_dead") if isinstance(exc, EngineDeadError) else (500, "engine_step_failed")
+
+
+def stream_error_event(exc: EngineDeadError | EngineStepError) -> p.ErrorResponse:
+    """What a stream sends when the engine fails mid-answer, before its [DONE]."""
+    return p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=engine_failure(exc)[1]))
+
+
 def check_text(text: str, param: str) -> None:
     """engine.inputs.check_unicode as a 400 naming `param` (JSON allows lone-surrogate escapes and
     Python keeps them; caught here, the client learns which field is wrong instead of getting a 500)."""
@@ -84,12 +95,10 @@ def add_error_handlers(app: FastAPI) -> None:
                               headers={"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(EngineDeadError)
-    async def on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc), "server_error", code="engine_dead")
-
     @app.exception_handler(EngineStepError)
-    async def on_step_error(_: Request, exc: EngineStepError) -> JSONResponse:
-        return error_response(500, str(exc), "server_error", code="engine_step_failed")
+    async def on_engine_failure(_: Request, exc: EngineDeadError | EngineStepError) -> JSONResponse:
+        status, code = engine_failure(exc)
+        return error_response(status, str(exc), "server_error", code=code)
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:

@@ -34,7 +34,7 @@ from kvflow.entrypoints.openai.auth import APIKeyMiddleware
 from kvflow.entrypoints.openai.dashboard import register_dashboard
 from kvflow.entrypoints.openai.embeddings import register_embeddings
 from kvflow.entrypoints.openai.errors import (ClientDisconnected, add_error_handlers, check_text, error_response,
-                                              structured_output_errors)
+                                              stream_error_event, structured_output_errors)
 from kvflow.entrypoints.openai.lifecycle import DrainMiddleware, DrainState
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvflow.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined, prompt_logprobs
@@ -243,7 +243,7 @@ class OpenAIServer:
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:
-            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
+            yield sse(stream_error_event(exc))
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
@@ -312,7 +312,7 @@ class OpenAIServer:
         except ClientDisconnected:
             return
         except (EngineStepError, EngineDeadError) as exc:
-            yield sse(p.ErrorResponse(error=p.ErrorInfo(message=str(exc), type="server_error", code=500)))
+            yield sse(stream_error_event(exc))
         yield "data: [DONE]\n\n"
 
 

@@ -75,6 +75,9 @@ class SpeculativeConfig:
                 not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_config.disable_by_batch_size: must be an integer >= 1 or null, "
                              f"got {self.disable_by_batch_size!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            if getattr(self, name) is not None:  # numpy's ints overflow, and JSON refuses them (as EngineConfig)
+                object.__setattr__(self, name, int(getattr(self, name)))
         if not isinstance(self.min_mean_accepted, (int, float)) or not 0 <= self.min_mean_accepted <= self.num_speculative_tokens:
             raise ValueError(f"speculative_config.min_mean_accepted: must be in [0, num_speculative_tokens], "
                              f"got {self.min_mean_accepted!r}")

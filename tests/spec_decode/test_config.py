@@ -40,3 +40,15 @@ def test_engine_config_refuses_a_bad_config_before_loading():
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+
+
+def test_numpy_counts_become_python_ints():
+    """As EngineConfig does: numpy's ints overflow in arithmetic and JSON refuses them."""
+    import json
+
+    import numpy as np
+
+    cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": np.int64(3),
+                                   "prompt_lookup_max": np.int32(5), "disable_by_batch_size": np.int16(8)})
+    assert [type(v) for v in (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.disable_by_batch_size)] == [int] * 3
+    json.dumps([cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.disable_by_batch_size])

@@ -4,16 +4,23 @@ The router never tokenizes or generates: it reads a request's JSON only to find 
 (`routing.prompt_key`), lets the policy (`routing.CacheAwarePolicy` by default) pick the
 instance most likely to hold that prompt's prefix in its KV cache, and forwards the body as it
 came, streaming the answer back byte for byte (SSE included). A client that hangs up closes the
-upstream connection, so the instance aborts the request and frees its blocks. /v1/models,
-/tokenize and /detokenize go to any healthy instance: all of them answer those alike.
+upstream connection, so the instance aborts the request and frees its blocks. /v1/models (and
+/v1/models/{model}), /version, /tokenize and /detokenize go to any healthy instance, with the
+client's headers (its API key): all of them answer those alike. Any other path is a 404 in
+OpenAI's shape, as `kvflow serve` answers it.
 
 Failures: an instance that refuses the connection is marked down and the request is retried on
-another one (nothing was sent, so it is safe); an instance that dies mid-answer ends a stream
-with an OpenAI-shaped error event and `[DONE]` (tokens already sent cannot be taken back), and a
-non-streaming request with a 502 in OpenAI's shape. A health loop polls every instance's
-/health and brings it back when it answers again. /health is 200 while at least one instance
-is up (its body lists each one's state), 503 when none is; /metrics is every instance's own
-metrics, each sample labelled with its `instance`, plus the router's counters.
+another one (nothing was sent, so it is safe); so is one it answered with a 503 `overloaded` or
+`draining` (nothing was computed; SGLang's router retries these too). A draining instance is
+routed around until its /health answers 200 again; if all refuse, the client gets the last
+refusal. Nothing else is retried (a 4xx or 500 is the client's answer). An instance that dies
+mid-answer ends a stream with an OpenAI-shaped error event and `[DONE]` (tokens already sent
+cannot be taken back), and a non-streaming request with a 502 in OpenAI's shape. A health loop
+polls every instance's /health and brings it back when it answers again. /health is 200 while
+at least one instance is up (its body lists each one's state, and why a --prefill instance that
+is up is not used: it is not a KV producer, which is also logged once), 503 when none is;
+/metrics is every instance's own metrics, each sample labelled with its `instance`, plus the
+router's counters (router_metrics.py).
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvflow.entrypoints.openai.errors import error_response
-from kvflow.entrypoints.routing import POLICIES, Instance
+from kvflow.entrypoints.openai.errors import add_error_handlers, error_response
+from kvflow.entrypoints.router_metrics import aggregate_metrics
+from kvflow.entrypoints.routing import (POLICIES, REFUSALS, Instance, instance_url, producer_info, prompt_key,
+                                       prompt_namespace, refusal_code)
 
 try:
     import httpx
@@ -41,6 +50,12 @@ HEALTH_INTERVAL_S = 1.0
 _FORWARD_HEADERS = ("authorization", "content-type")
 
 
+def forward_headers(raw: Request) -> dict[str, str]:
+    """The client's headers an instance needs (its API key, the body's type); no others, so
+    hop-by-hop ones (Host, Content-Length, Connection) are httpx's to set."""
+    return {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
+
+
 class Router:
     """The instances, the policy and the forwarding; `build_router_app` puts routes on it."""
 
@@ -50,8 +65,8 @@ class Router:
             raise ValueError("router: give at least one instance (--instance URL, or --decode URL)")
         if policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.instances = [Instance(u.rstrip("/")) for u in urls]
-        self.prefills = [Instance(u.rstrip("/")) for u in prefill_urls]
+        self.instances = [Instance(instance_url(u, "--instance/--decode")) for u in urls]
+        self.prefills = [Instance(instance_url(u, "--prefill")) for u in prefill_urls]
         self.policy, self.prefill_policy = POLICIES[policy](), POLICIES[policy]()
         self.prefill_timeout = prefill_timeout
         self.disaggregated = {"remote_prefill": 0, "fallback": 0}
@@ -59,9 +74,13 @@ class Router:
         self.timeout = httpx.Timeout(request_timeout, connect=5.0)
         self.client: httpx.AsyncClient | None = None
         self.routed = {"cache": 0, "balance": 0, "load": 0, "round_robin": 0}
+        self.refused = dict.fromkeys(REFUSALS, 0)
 
     def healthy(self, pool: list[Instance] | None = None) -> list[Instance]:
         return [i for i in (self.instances if pool is None else pool) if i.healthy]
+
+    def role(self, inst: Instance) -> str:
+        return "prefill" if inst in self.prefills else "decode" if self.prefills else "instance"
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
@@ -82,13 +101,26 @@ class Router:
             if ok:
                 inst.healthy = True
                 if inst in self.prefills and inst.kv_addr is None:
-                    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                        inst.kv_addr = (await self.client.get(inst.url + "/kv_transfer", timeout=2.0)).json()["kv_addr"]
+                    await self.check_producer(inst)
             else:
                 inst.mark_down()
-                inst.kv_addr = None
 
         await asyncio.gather(*(one(i) for i in self.instances + self.prefills))
+
+    async def check_producer(self, inst: Instance) -> None:
+        """Learn a prefill instance's KV block address (`routing.producer_info`). One that is up but
+        not a KV producer would be passed over on every request without a word: say why, once
+        (and in /health, `problem`)."""
+        try:
+            r = await self.client.get(inst.url + "/kv_transfer", timeout=2.0)
+        except httpx.HTTPError:
+            return  # asked again on the next poll
+        inst.kv_addr, problem = producer_info(r.status_code, r.content)
+        if problem is not None and problem != inst.problem:
+            logger.warning("router: --prefill %s is not a KV producer (%s), so the decode instances compute every "
+                           "prompt themselves; start it with --kv-transfer-config '{\"kv_role\": \"kv_producer\"}'",
+                           inst.url, problem)
+        inst.problem = problem
 
     async def health_loop(self) -> None:
         while True:
@@ -98,8 +130,6 @@ class Router:
 
     # ---- forwarding ----------------------------------------------------------------------------
     async def forward(self, path: str, raw: Request) -> Response:
-        from kvflow.entrypoints.routing import prompt_key, prompt_namespace
-
         body_bytes = await raw.body()
         try:
             body = json.loads(body_bytes)
@@ -108,14 +138,17 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         key, namespace = prompt_key(path, body), prompt_namespace(body)
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers = forward_headers(raw)
         # An embedding is all prompt: nothing to hand over. A salted prompt's blocks are keyed by its
         # salt on each instance, which the KV transfer does not carry yet: the decode instance computes it.
         if self.prefills and not path.endswith("embeddings") and body.get("cache_salt") is None:
             body_bytes = await self.prefill(path, body, body_bytes, key, namespace, headers)
         tried: set[str] = set()
+        refused: Response | None = None  # the last refusal: the answer if every instance refuses
         while True:
             candidates = [i for i in self.healthy() if i.url not in tried]
+            if refused is not None and not candidates:
+                return refused
             if not candidates:
                 return error_response(503, "no kvflow instance is available behind this router "
                                            f"({len(self.instances)} configured, all down)", "server_error",
@@ -138,9 +171,29 @@ class Router:
                 inst.failures_total += 1
                 return error_response(502, f"the instance {inst.url} failed: {exc!r}", "server_error",
                                       code="instance_failed")
+            if upstream.status_code == 503:  # read whole (it is short): a refusal goes to another instance
+                answer = await self._relay(inst, upstream, streaming=False)
+                if self._refused(inst, answer.status_code, answer.body):
+                    refused = answer
+                    continue
+            else:
+                answer = await self._relay(inst, upstream, bool(body.get("stream")))
             inst.requests_total += 1
             self.routed[choice.reason] += 1
-            return await self._relay(inst, upstream, bool(body.get("stream")))
+            return answer
+
+    def _refused(self, inst: Instance, status: int, body: bytes) -> bool:
+        """Whether an answer is a refusal that computed nothing (`routing.refusal_code`), counted. A
+        draining instance is taken out of the routing until its /health answers 200 again (while
+        draining it answers 503 there too)."""
+        code = refusal_code(status, body)
+        if code is None:
+            return False
+        self.refused[code] += 1
+        if code == "draining" and inst.healthy:
+            logger.warning("router: %s is draining; routing around it until its /health answers 200", inst.url)
+            inst.mark_down()
+        return True
 
     async def prefill(self, path: str, body: dict, body_bytes: bytes, key: Any, namespace: str,
                       headers: dict) -> bytes:
@@ -173,15 +226,18 @@ class Router:
         try:
             r = await self.client.post(inst.url + path, json=short, headers=headers, timeout=self.prefill_timeout)
             ok = r.status_code == 200
+            # The decode instance already waits on this producer: a refusal cannot go elsewhere now.
+            # A draining producer is left out of the next requests' choice, though.
+            answered = not self._refused(inst, r.status_code, r.content)
             if not ok:
                 logger.warning("router: prefill on %s answered %d: %s", inst.url, r.status_code, r.text[:200])
         except httpx.HTTPError as exc:
             logger.warning("router: prefill on %s failed (%r); the decode instance computes the prompt", inst.url, exc)
             inst.failures_total += 1
-            ok = False
+            ok = answered = False
         finally:
             inst.in_flight -= 1
-        if ok:
+        if answered:
             inst.requests_total += 1
         self.disaggregated["remote_prefill" if ok else "fallback"] += 1
 
@@ -207,7 +263,7 @@ class Router:
             except httpx.HTTPError as exc:
                 inst.failures_total += 1
                 err = {"error": {"message": f"the instance {inst.url} failed mid-stream: {exc!r}",
-                                 "type": "server_error", "param": None, "code": 502}}
+                                 "type": "server_error", "param": None, "code": "instance_failed"}}
                 yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await upstream.aclose()  # the client left, or the answer ended: the instance aborts or is done
@@ -215,21 +271,24 @@ class Router:
 
         return _ClosingStreamingResponse(body(), status_code=200, headers=passed)
 
-    async def to_any(self, path: str, raw: Request | None = None) -> Response:
-        """The first healthy instance's answer to a request that needs no routing: a GET, or
-        `raw`'s POST (the tokenizer's routes, which every instance answers alike)."""
+    async def to_any(self, path: str, raw: Request) -> Response:
+        """The first healthy instance's answer to `raw` (a GET, or the tokenizer's POSTs: requests
+        every instance answers alike), sent with the client's headers as `forward` sends them. An
+        instance that cannot be reached or refuses (draining, overloaded) passes it on."""
+        headers = forward_headers(raw)
+        content = await raw.body() if raw.method == "POST" else None
+        refused: Response | None = None
         for inst in self.healthy():
             try:
-                if raw is None:
-                    r = await self.client.get(inst.url + path)
-                else:
-                    headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_HEADERS}
-                    r = await self.client.post(inst.url + path, content=await raw.body(), headers=headers)
+                r = await self.client.request(raw.method, inst.url + path, content=content, headers=headers)
             except httpx.HTTPError:
                 continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return error_response(503, "no kvflow instance is available behind this router", "server_error",
-                              code="no_instance")
+            answer = Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            if not self._refused(inst, r.status_code, r.content):
+                return answer
+            refused = answer
+        return refused or error_response(503, "no kvflow instance is available behind this router", "server_error",
+                                         code="no_instance")
 
     async def metrics(self) -> str:
         async def one(inst: Instance) -> str:
@@ -243,47 +302,6 @@ class Router:
         pool = self.instances + self.prefills
         texts = await asyncio.gather(*(one(i) for i in pool))
         return aggregate_metrics([(i.url, t) for i, t in zip(pool, texts)], self)
-
-
-def aggregate_metrics(per_instance: list[tuple[str, str]], router: Router) -> str:
-    """Every instance's samples with an `instance` label (HELP/TYPE once per family), then the router's."""
-    families: dict[str, list[str]] = {}
-    headers: dict[str, list[str]] = {}
-    for url, text in per_instance:
-        family = None
-        for line in text.splitlines():
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                family = line.split()[2]
-                if line not in headers.setdefault(family, []):
-                    headers[family].append(line)
-                continue
-            if not line or line.startswith("#"):
-                continue
-            name, _, rest = line.partition(" ")
-            label = f'instance="{url}"'
-            if "{" in name:
-                name = name.replace("{", "{" + label + ",", 1)
-            else:
-                name = name + "{" + label + "}"
-            families.setdefault(family or name, []).append(f"{name} {rest}")
-    out = []
-    for family, samples in families.items():
-        out += headers.get(family, []) + samples
-    out.append("# HELP kvflow_router_instance_up Whether the router's health check reaches the instance.")
-    out.append("# TYPE kvflow_router_instance_up gauge")
-    out += [f'kvflow_router_instance_up{{instance="{i.url}"}} {int(i.healthy)}'
-            for i in router.instances + router.prefills]
-    out.append("# HELP kvflow_router_disaggregated_total Requests by how their prompt was computed "
-               "(on a prefill instance, or by the decode instance after a failed or missing prefill).")
-    out.append("# TYPE kvflow_router_disaggregated_total counter")
-    out += [f'kvflow_router_disaggregated_total{{prefill="{k}"}} {n}' for k, n in router.disaggregated.items()]
-    out.append("# HELP kvflow_router_requests_total Requests forwarded, by instance.")
-    out.append("# TYPE kvflow_router_requests_total counter")
-    out += [f'kvflow_router_requests_total{{instance="{i.url}"}} {i.requests_total}' for i in router.instances]
-    out.append("# HELP kvflow_router_decisions_total Routing decisions, by reason (cache hit, balance, load).")
-    out.append("# TYPE kvflow_router_decisions_total counter")
-    out += [f'kvflow_router_decisions_total{{reason="{r}"}} {n}' for r, n in router.routed.items()]
-    return "\n".join(out) + "\n"
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -309,6 +327,7 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="kvflow router", lifespan=lifespan)
     app.state.router = router
+    add_error_handlers(app)  # an unknown path or method: OpenAI's error shape, as kvflow serve answers
 
     def post_route(path: str, send: Callable[[str, Request], Awaitable[Response]]) -> None:
         async def route(raw: Request) -> Response:
@@ -320,19 +339,21 @@ def build_router_app(router: Router) -> FastAPI:
     for path in ("/tokenize", "/detokenize"):  # any instance answers these alike
         post_route(path, router.to_any)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.to_any("/v1/models")
+    async def to_any(raw: Request) -> Response:
+        return await router.to_any(raw.url.path + (f"?{raw.url.query}" if raw.url.query else ""), raw)
+
+    for path in ("/v1/models", "/v1/models/{model_id:path}", "/version"):  # any instance answers these alike
+        app.add_api_route(path, to_any, methods=["GET"])
 
     @app.get("/health")
     async def health() -> Response:
-        states = [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight,
-                   "role": "prefill" if i in router.prefills else "decode" if router.prefills else "instance"}
-                  for i in router.instances + router.prefills]
+        pool = router.instances + router.prefills
+        states = [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight, "role": router.role(i),
+                   **({"problem": i.problem} if i.problem else {})} for i in pool]
         if not router.healthy():
             return error_response(503, "no kvflow instance behind this router is healthy: "
                                   + ", ".join(i.url for i in router.instances), "server_error", code="no_instance")
-        status = "ok" if all(s["healthy"] for s in states) else "degraded"
+        status = "ok" if all(i.healthy and not i.problem for i in pool) else "degraded"
         return JSONResponse({"status": status, "instances": states})
 
     @app.get("/metrics")
@@ -366,6 +387,9 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     router = Router(args.instances, args.policy, args.request_timeout, args.prefill, args.prefill_timeout)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps them
+        for name in ("httpx", "httpcore", "httpx2", "httpcore2"):  # INFO: a line per instance per health poll
+            logging.getLogger(name).setLevel(logging.WARNING)
     logger.info("router: %s over %s%s on http://%s:%d", router.policy.name, ", ".join(args.instances),
                 f" (prefill on {', '.join(args.prefill)})" if args.prefill else "", args.host, args.port)
     uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.uvicorn_log_level)

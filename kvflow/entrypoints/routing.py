@@ -22,18 +22,78 @@ Blocks are shared only within a namespace: an instance keys a LoRA adapter's K/V
 `model` and `cache_salt` (`prompt_namespace`). A client that names the base model and one that
 leaves `model` out are told apart too: the router does not know which name is the base, and the
 cost is only a missed affinity.
+
+An instance may refuse a request it computed nothing for (`refusal_code`: its waiting queue is
+full, or it is draining); the router then chooses again among the instances not yet tried. A
+prefill instance is chosen only once its GET /kv_transfer names its block server (`producer_info`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+from urllib.parse import urlsplit
 
 TEXT_CHUNK = 32  # characters per hashed chunk of a text prompt
 TOKEN_CHUNK = 16  # token ids per hashed chunk (a KV block's worth)
 MAX_CHUNKS = 1 << 16  # per instance
+
+
+# The 503 codes of a `kvflow serve` that refused a request before computing anything of it
+# (errors.py's EngineOverloadedError handler, lifecycle.py's DrainMiddleware).
+REFUSALS = ("overloaded", "draining")
+
+
+def instance_url(url: str, flag: str) -> str:
+    """`url` without its trailing slash, or a ValueError naming `flag` and the form it wants.
+
+    A bare `host:port` is refused rather than guessed at (http or https?), as the OpenAI client
+    refuses such a base URL: accepted, every poll of it would fail and it would stay down.
+    """
+    parts = urlsplit(url.strip())
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:  # not a number, or out of range
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.query or parts.fragment:
+        raise ValueError(f"{flag} {url!r}: expected a URL of the form http://host:port (or https://host:port), "
+                         "e.g. http://127.0.0.1:8001")
+    return url.strip().rstrip("/")
+
+
+def refusal_code(status: int, body: bytes) -> str | None:
+    """`overloaded` or `draining` when an instance's answer is a refusal that computed nothing (a
+    503 with that OpenAI error code), so another instance may take the request; None for any
+    other answer, which is the client's to see."""
+    if status != 503:
+        return None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return code if code in REFUSALS else None
+
+
+def producer_info(status: int, body: bytes) -> tuple[str | None, str | None]:
+    """A prefill instance's answer to GET /kv_transfer, read: (its KV block address, why it has
+    none if it never will). A producer whose block server has no address yet, or an answer that
+    may pass (a 5xx), gives (None, None): asked again on the next health poll."""
+    try:
+        info = json.loads(body)
+    except ValueError:
+        info = None
+    info = info if isinstance(info, dict) else {}
+    if status == 200 and info.get("kv_addr"):
+        return str(info["kv_addr"]), None
+    if status == 404:  # kv_transfer_disabled: started without --kv-transfer-config (or not kvflow serve)
+        error = info.get("error") if isinstance(info.get("error"), dict) else {}
+        return None, f"its /kv_transfer answers 404 {error.get('code') or '(no such route)'}"
+    if status == 200 and info.get("kv_role") not in (None, "kv_producer"):
+        return None, f"its kv_role is {info['kv_role']}"
+    return None, None
 
 
 def prompt_namespace(body: dict[str, Any]) -> str:
@@ -112,11 +172,14 @@ class Instance:
     failures_total: int = 0
     index: PrefixIndex = field(default_factory=PrefixIndex)
     kv_addr: str | None = None  # a prefill instance's KV block server (from its GET /kv_transfer)
+    problem: str | None = None  # why this prefill instance is up but not used (not a KV producer)
 
     def mark_down(self) -> None:
-        """Its cache is gone with it: forget what it was sent."""
+        """Its cache is gone with it: forget what it was sent, and where its blocks were served
+        (a restart may serve them on another port)."""
         self.healthy = False
         self.index.clear()
+        self.kv_addr = None
 
 
 @dataclass

@@ -67,6 +67,16 @@ def wait_engine_idle(engine: AsyncEngine, timeout: float) -> bool:
         time.sleep(0.02)
 
 
+def eventually(check, timeout: float = 10.0) -> bool:
+    """True once `check()` is, polled every 20 ms; False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -8,6 +8,9 @@ the in-process `LLM`'s, streams pass through, prompts sharing a prefix land on o
 /metrics and /health aggregate, a disaggregated request computes only its prompt's tail on the
 decode instance, and a dead instance is routed around (a dead prefill: decode computes it), then
 reported.
+
+test_router_refusals.py runs the router over in-process fakes, for what a real instance does not
+do on cue.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kvflow.entrypoints.routing import (CacheAwarePolicy, Instance, RoundRobinPo
                                        prompt_namespace)
 
 from ..conftest import save_tiny_llama
-from .conftest import httpx, serving
+from .conftest import eventually, httpx, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
@@ -158,16 +161,6 @@ def test_shared_prefixes_stay_on_one_instance(cluster):
     assert 'kvflow_router_decisions_total{reason="load"} 3' in metrics
     assert 'kvflow_router_decisions_total{reason="cache"} 9' in metrics
     assert http.get("/health").json()["status"] == "ok"
-
-
-def eventually(check, timeout: float = 10.0) -> bool:
-    """True once `check()` is, polled every 20 ms; False after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def prefill_tokens(url: str) -> int:

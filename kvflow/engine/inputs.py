@@ -32,9 +32,27 @@ def load_tokenizer_or_none(path: str) -> Any:
     return load_tokenizer(path)
 
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")  # what a dict prompt may hold (vLLM's names)
+_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
+
+
+def check_prompt_keys(prompt: dict) -> None:
+    """Refuse keys kvflow would otherwise ignore: an image in `multi_modal_data` dropped without a
+    word leaves a text-only model describing a picture it never saw."""
+    unknown = [k for k in prompt if k not in PROMPT_KEYS]
+    if not unknown:
+        return
+    if any(k in _MULTIMODAL_KEYS for k in unknown):
+        raise ValueError(f"prompt: {', '.join(unknown)}: kvflow serves text-only models (no images, audio or "
+                         "prompt embeddings); send text or token ids")
+    raise ValueError(f"prompt: unknown key(s) {', '.join(map(repr, unknown))}; a dict prompt takes "
+                     f"{', '.join(PROMPT_KEYS)}")
+
+
 def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
     """(the prompt's text if known, its token ids)."""
     if isinstance(prompt, dict):
+        check_prompt_keys(prompt)
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), token_id_list(prompt["prompt_token_ids"])
         if "prompt" in prompt:

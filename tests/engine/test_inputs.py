@@ -19,3 +19,17 @@ def test_token_ids_from_any_integer_sequence(ids):
 def test_non_integer_token_ids_are_refused_not_truncated(ids):
     with pytest.raises(ValueError, match="^prompt: "):
         token_id_list(ids)
+
+
+@pytest.mark.parametrize(("prompt", "words"), [
+    ({"prompt": "Describe the image:", "multi_modal_data": {"image": object()}},
+     "multi_modal_data: kvflow serves text-only"),
+    ({"prompt_token_ids": [1, 2], "prompt_embeds": torch.zeros(2, 4)}, "prompt_embeds: kvflow serves text-only"),
+    ({"prompt": "Hi", "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+    ({"prompt": "Hi", "promt_token_ids": [1]}, "unknown key\\(s\\) 'promt_token_ids'; a dict prompt takes prompt"),
+])
+def test_keys_that_would_be_ignored_are_refused(prompt, words):
+    """Before: an image was dropped without a word and the model described a picture it never saw."""
+    with pytest.raises(ValueError, match=words):
+        tokenize_prompt(None, prompt)
+    assert tokenize_prompt(None, {"prompt_token_ids": [4], "cache_salt": "s"}) == (None, [4])

@@ -162,6 +162,18 @@ class ModelConfig:
         attention = h * (q + 2 * kv) + q * h
         return sum(attention + self.mlp_linear_parameters(i, active) for i in range(self.num_hidden_layers))
 
+    def linear_input_sizes(self) -> dict[str, int]:
+        """Each kind of linear layer's input size, by a name pattern (what weight quantization groups)."""
+        sizes = {"layers.*.self_attn.q/k/v_proj and mlp.gate/up_proj (and lm_head)": self.hidden_size,
+                 "layers.*.self_attn.o_proj": self.num_attention_heads * self.head_dim}
+        if len(self.moe_layers) < self.num_hidden_layers:
+            sizes["layers.*.mlp.down_proj"] = self.intermediate_size
+        if self.moe_layers:
+            sizes["layers.*.mlp.experts.*.down_proj"] = self.moe_intermediate_size
+            if self.shared_expert_intermediate_size:
+                sizes["layers.*.mlp.shared_expert.down_proj"] = self.shared_expert_intermediate_size
+        return sizes
+
     def num_decoder_parameters(self) -> int:
         """Parameters of the decoder layers: projections (every expert's), routers, norms, biases."""
         h = self.hidden_size

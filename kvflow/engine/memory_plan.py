@@ -208,8 +208,7 @@ def plan_kv_cache(
     elem = torch.tensor([], dtype=dtype).element_size()
     weight_bytes = cfg.num_parameters() * elem
     if quantization is not None:
-        linear = cfg.num_linear_parameters()
-        weight_bytes += int(linear * quantization.bytes_per_weight()) - linear * elem
+        weight_bytes += quantization.weight_bytes_delta(cfg, elem)
     bytes_per_token = cfg.kv_bytes_per_token(dtype, kv_cache_dtype)
     by_kv_dtype = {_dtype_name(dtype): cfg.kv_bytes_per_token(dtype)}
     if cfg.head_dim % 4 == 0 and device_memory is None:  # (CPU only) what the int8 cache's key cells need

@@ -42,6 +42,8 @@ def run_plan(args: argparse.Namespace) -> int:
         draft_path, draft = draft_model_config(spec, cfg, max_model_len)
     quantization = resolve_quantization(path, args.quantization, args.quantization_group_size,
                                         args.quantize_lm_head, args.dtype)
+    if quantization is not None:
+        quantization.check_model(cfg)  # a group size some layer cannot split is refused here, as at load
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         return _plan_ranks(args, config, path, cfg, dtype, max_model_len, quantization)
     from kvflow.device import resolve_device

@@ -103,6 +103,15 @@ def resolve_quantization(path: str, quantization: str | None, group_size: int | 
     """The quantization a model runs with: the options as given, or, left unset, a GGUF file's
     own (when `dtype` is "auto": an explicit dtype asks for the weights in that dtype), or a
     compressed-tensors or GPTQ checkpoint's own (whatever the dtype: it has no float weights)."""
+    config = _resolve_quantization(path, quantization, group_size, quantize_lm_head, dtype)
+    if config is None and quantize_lm_head:  # as quantization_group_size without a method: refused, not ignored
+        raise ValueError("quantize_lm_head is set but nothing is quantized (choose quantization int8 or int4, "
+                         "or run a quantized checkpoint)")
+    return config
+
+
+def _resolve_quantization(path: str, quantization: str | None, group_size: int | None,
+                          quantize_lm_head: bool, dtype: str | torch.dtype) -> QuantizationConfig | None:
     config = QuantizationConfig.parse(quantization, group_size, quantize_lm_head)
     if not _is_gguf(path):
         return _resolve_hf_checkpoint(path, quantization, config, quantize_lm_head)

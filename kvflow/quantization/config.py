@@ -84,6 +84,25 @@ class QuantizationConfig:
         group = f"groups of {self.group_size}" if self.group_size else "per channel"
         return f"{self.method} ({group}{', LM head too' if self.quantize_lm_head else ''})"
 
+    def weight_bytes_delta(self, model_config, elem: int, linear: int | None = None, head: bool = True) -> int:
+        """How quantization changes a model's weight bytes from all-float (`elem` bytes each): its
+        linear weights (`linear`, default the decoder's) at `bytes_per_weight`, and with
+        `quantize_lm_head` (when `head`) a quantized head; a head tied to the embedding is untied
+        by it, so the float table stays beside it."""
+        linear = model_config.num_linear_parameters() if linear is None else linear
+        delta = int(linear * self.bytes_per_weight()) - linear * elem
+        if head and self.quantize_lm_head:
+            params = model_config.vocab_size * model_config.hidden_size
+            delta += int(params * self.bytes_per_weight()) - (0 if model_config.tie_word_embeddings else params * elem)
+        return delta
+
+    def check_model(self, model_config) -> None:
+        """`check_layer` over a model's linear input sizes from its config alone (`kvflow plan`,
+        which loads no weights); the formats quantized at load only."""
+        if self.method in ("int8", "int4"):
+            for name, in_features in model_config.linear_input_sizes().items():
+                self.check_layer(name, in_features)
+
     def check_layer(self, name: str, in_features: int) -> None:
         """Refuse a layer whose input size the kernel cannot split into this config's groups."""
         group = self.group_size or in_features

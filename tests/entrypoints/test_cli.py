@@ -98,6 +98,9 @@ def test_plan_options_and_errors(llama3_config, capsys):
     # what `serve` refuses on any machine: a split the heads do not allow, quantized weights split by T
     (["-tp", "3"], "tensor_parallel_size=3 does not divide the model's 32 attention heads"),
     (["-tp", "2", "--quantization", "int8"], "quantization=int8: tensor_parallel_size=2 splits float weights only"),
+    # a group size some layer cannot split, as loading refuses it
+    (["--quantization", "int4", "--quantization-group-size", "96", "--dtype", "bfloat16"],
+     r"quantization_group_size=96: layer .*q/k/v_proj.* has 4096 inputs, which are not whole groups of 96"),
 ])
 def test_plan_refuses_what_the_engine_refuses(llama3_config, capsys, flags, message):
     """`kvflow plan` runs the engine's option checks: no ZeroDivisionError, no negative plan."""

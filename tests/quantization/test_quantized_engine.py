@@ -73,6 +73,14 @@ def test_lm_head_kept_unless_asked(tiny_models):
     assert head.engine.runner.model.lm_head.quant_weight is not None
     out = head.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == NEW_TOKENS
+    # The plan counts the quantized head (int8 per channel: a byte a weight), beside the float
+    # table where it was tied, in place of the float head where it was not
+    cfg = head.engine.model_config
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    untied = vocab * hidden * (0 if cfg.tie_word_embeddings else 4)
+    assert head.engine.plan.weight_bytes - plain.engine.plan.weight_bytes == vocab * hidden - untied
+    with pytest.raises(ValueError, match="quantize_lm_head is set but nothing is quantized"):
+        LLM(path, dtype="float32", quantization="none", quantize_lm_head=True, kv_cache_memory=1 << 20)
 
 
 def test_group_that_does_not_divide_a_layer_is_refused_at_start(tiny_models):

@@ -331,6 +331,7 @@ class LLMEngine:
         string or max_tokens) are dropped, as if they had never been generated.
         """
         seq = req.seq
+        seq.last_token_time = now
         if seq.first_token_time is None:
             seq.first_token_time = now
             if req.index == 0:  # a prompt counts once, however many samples it has

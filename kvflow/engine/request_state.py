@@ -8,7 +8,6 @@ strings, the tokens and text new since the last output, its place in an n > 1 re
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +86,8 @@ def _metrics(seq: Sequence) -> RequestMetrics:
         arrival_time=seq.arrival_time,
         first_scheduled_time=seq.first_scheduled_time,
         first_token_time=seq.first_token_time,
-        last_token_time=time.time(),
+        # when the latest token came out, not when this record was made (that came after finished_time)
+        last_token_time=seq.last_token_time if seq.last_token_time is not None else seq.first_token_time,
         finished_time=seq.finished_time,
         num_preemptions=seq.num_preemptions,
     )

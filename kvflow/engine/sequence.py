@@ -45,6 +45,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: str | int | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when the step that gave its latest token ended
     first_scheduled_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0

@@ -41,6 +41,11 @@ class LLM:
         """Stop the worker processes of a distributed engine (tensor/pipeline parallel); idempotent."""
         self.engine.shutdown()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine (`llm.llm_engine.model_config`, in many vLLM scripts)."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -24,8 +24,10 @@ def test_generate_returns_vllm_shaped_outputs_in_order(smollm2_fp32):
     assert [len(o.outputs[0].token_ids) for o in outs] == [12, 3, 12]
     assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outs)
     assert outs[0].outputs[0].text == smollm2_fp32.get_tokenizer().decode(outs[0].outputs[0].token_ids)
+    assert smollm2_fp32.llm_engine is smollm2_fp32.engine  # vLLM's attribute name
     m = outs[0].metrics
-    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time  # the last token's time,
+    assert m.last_token_time > m.first_token_time  # not the record's (made after finished_time)
     _pool_is_whole(smollm2_fp32)
 
 

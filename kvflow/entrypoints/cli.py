@@ -12,12 +12,15 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from kvflow.entrypoints.cli_args import (add_model_args, add_runtime_args, engine_config_from_args,
-                                         parse_bytes)
+from kvflow.entrypoints.cli_args import (UVICORN_LOG_LEVELS, add_model_args, add_runtime_args,
+                                         engine_config_from_args, parse_bytes)
 from kvflow.entrypoints.cli_chat import register_chat, register_generate
 from kvflow.entrypoints.cli_plan import register_plan
+
+if TYPE_CHECKING:
+    from kvflow.config import EngineConfig
 
 logger = logging.getLogger("kvflow")
 
@@ -64,15 +67,13 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvflow.entrypoints.async_engine import AsyncEngine
-    from kvflow.entrypoints.openai.lifecycle import bind_socket, serve_until_drained
-    from kvflow.entrypoints.openai.server import build_app
+    from kvflow.entrypoints.openai.lifecycle import bind_socket
 
     if args.shutdown_timeout < 0:  # before the weights load
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
@@ -91,7 +92,6 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvflow.entrypoints.openai.adapters import ServedModels
 
         ServedModels.from_specs("", args.lora_modules)  # a bad entry or folder fails here, before the weights load
-    sock = bind_socket(args.host, args.port)  # a port in use fails here, before the weights load
     max_waiting = args.max_num_seqs if args.max_waiting is None else args.max_waiting
     kv_transfer = None
     if args.kv_transfer_config is not None:  # checked before the weights load
@@ -103,7 +103,21 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_class = AsyncEngine
     if not args.in_process_engine:  # the engine loop in its own process, over ZMQ (entrypoints/core/)
         from kvflow.entrypoints.core.client import EngineCoreClient as engine_class
-    engine = engine_class.from_config(engine_config_from_args(args), max_waiting=None if max_waiting < 0 else max_waiting,
+    config = engine_config_from_args(args)
+    sock = bind_socket(args.host, args.port)  # after the option checks, before the weights load
+    try:
+        return _serve(args, engine_class, config, max_waiting, kv_transfer, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, engine_class: type, config: EngineConfig, max_waiting: int, kv_transfer,
+           sock) -> int:
+    """Load the engine and serve on `sock` until drained (run_serve has checked every option)."""
+    from kvflow.entrypoints.openai.lifecycle import serve_until_drained
+    from kvflow.entrypoints.openai.server import build_app
+
+    engine = engine_class.from_config(config, max_waiting=None if max_waiting < 0 else max_waiting,
                                       kv_transfer_config=kv_transfer)
     if not args.in_process_engine:
         logger.info("engine core: process %d (the API server tokenizes and streams; --in-process-engine for one "
@@ -126,7 +140,6 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return serve_until_drained(app, engine, sock, args.uvicorn_log_level, args.shutdown_timeout)
     finally:
-        sock.close()
         engine.shutdown()
 
 

@@ -8,6 +8,8 @@ import dataclasses
 
 from kvflow.config import EngineConfig, parse_size
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # --uvicorn-log-level (serve, router)
+
 
 def parse_bytes(text: str) -> int:
     """'4GiB', '512MiB', '1.5GB' or a plain byte count -> bytes (K/M/G alone are binary)."""

@@ -159,6 +159,14 @@ def test_a_port_in_use_fails_before_the_weights_load():
             cli.run_serve(args)
 
 
+def test_localhost_binds_ipv4_as_uvicorn_did():
+    """127.0.0.1 is where clients and the router look; getaddrinfo's first answer may be ::1."""
+    from kvflow.entrypoints.openai.lifecycle import bind_socket
+
+    with bind_socket("localhost", 0) as sock:
+        assert sock.family == socket.AF_INET and sock.getsockname()[0] == "127.0.0.1"
+
+
 @pytest.mark.parametrize("argv", [["--log-level", "foo", "plan"], ["serve", "--uvicorn-log-level", "foo"]])
 def test_log_levels_are_choices(argv, capsys):
     with pytest.raises(SystemExit) as exit_:

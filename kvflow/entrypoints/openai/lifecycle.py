@@ -165,9 +165,13 @@ class GracefulServer(uvicorn.Server):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the weights load: a port in use fails at once, not after
-    the model has loaded (uvicorn then listens on this socket). OSError naming the address."""
+    the model has loaded (uvicorn then listens on this socket). OSError naming the address.
+
+    IPv6 only for a host written as one, as uvicorn binds: "localhost" is 127.0.0.1, where
+    clients and `kvflow router --instance http://127.0.0.1:PORT` look, not ::1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        family, _, _, _, address = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as exc:

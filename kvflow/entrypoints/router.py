@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvflow.entrypoints.cli_args import UVICORN_LOG_LEVELS
 from kvflow.entrypoints.openai.errors import add_error_handlers, error_response
 from kvflow.entrypoints.router_metrics import aggregate_metrics
 from kvflow.entrypoints.routing import (POLICIES, REFUSALS, Instance, instance_url, producer_info, prompt_key,
@@ -174,6 +175,7 @@ class Router:
             if upstream.status_code == 503:  # read whole (it is short): a refusal goes to another instance
                 answer = await self._relay(inst, upstream, streaming=False)
                 if self._refused(inst, answer.status_code, answer.body):
+                    inst.index.remove(choice.added)  # it computed nothing: its cache holds none of it
                     refused = answer
                     continue
             else:
@@ -283,7 +285,8 @@ class Router:
                 r = await self.client.request(raw.method, inst.url + path, content=content, headers=headers)
             except httpx.HTTPError:
                 continue
-            answer = Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            answer = Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                              headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
             if not self._refused(inst, r.status_code, r.content):
                 return answer
             refused = answer
@@ -379,7 +382,7 @@ def register_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds an instance may take to answer")
-    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     p.set_defaults(func=run_router)
 
 

@@ -159,6 +159,10 @@ class PrefixIndex:
         while len(self._chunks) > self.max_chunks:
             self._chunks.popitem(last=False)
 
+    def remove(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._chunks.pop(h, None)
+
     def clear(self) -> None:
         self._chunks.clear()
 
@@ -188,6 +192,8 @@ class Choice:
     matched_chunks: int
     total_chunks: int
     reason: str  # "cache", "balance", "load" or "round_robin"
+    # Chunks this choice recorded that the instance was not sent before: taken back if it refuses.
+    added: tuple[int, ...] = ()
 
 
 class CacheAwarePolicy:
@@ -213,6 +219,7 @@ class CacheAwarePolicy:
             else:
                 choice = Choice(least, least.index.match(hashes), len(hashes), "load")
         choice.instance.index.insert(hashes)
+        choice.added = tuple(hashes[choice.matched_chunks:])
         return choice
 
 

@@ -110,6 +110,10 @@ def test_refusals_go_to_another_instance_and_nothing_else_does():
         assert ask(http, 1).json()["choices"][0]["text"] == "b"
         assert ask(http, 2, stream=True) == ['{"choices": [{"text": "b"}]}', "[DONE]"]
         assert (a.posts(), b.posts(), router.refused["overloaded"]) == (2, 2, 2)
+        # a computed nothing: it holds no record of those prompts (later ones would be steered to it),
+        # b holds both; nothing is left counted in flight
+        assert len(router.instances[0].index) == 0 and len(router.instances[1].index) > 0
+        assert [i.in_flight for i in router.instances] == [0, 0]
         b.mode = "overloaded"  # every instance refuses: the client gets the last refusal
         r = ask(http, 3)
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]

@@ -156,6 +156,7 @@ def build_speculator(config: EngineConfig, draft: DraftModel | None, placement: 
             draft_vocab=draft_tokenizer.get_vocab() if draft_tokenizer is not None else None,
             max_catch_up_tokens=config.max_num_batched_tokens,
             quantization=resolve_quantization(draft.path, spec.quantization, dtype=config.dtype,
-                                              quantize_lm_head=spec.quantize_lm_head and spec.quantization is not None),
+                                              quantize_lm_head=spec.quantize_lm_head
+                                              and spec.quantization not in (None, "none")),
             target_runner=runner if draft.shares_kv else None)
     return Speculator(spec, max_model_len, proposer)

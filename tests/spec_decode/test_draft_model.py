@@ -67,8 +67,10 @@ def test_greedy_equals_plain_decoding(target, draft, layout):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_the_target_as_its_own_draft_is_always_right(target):
-    llm = LLM(target, dtype="float32", speculative_config=_spec(target, k=4))
+@pytest.mark.parametrize("quantization", [None, "none"])  # "none" asks for the float draft by name
+def test_the_target_as_its_own_draft_is_always_right(target, quantization):
+    spec = _spec(target, k=4) | ({"quantization": quantization} if quantization else {})
+    llm = LLM(target, dtype="float32", speculative_config=spec)
     assert _run(llm) == _run(LLM(target, dtype="float32"))
     stats = llm.engine.get_stats().spec_decode
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0

@@ -29,6 +29,7 @@ UNENFORCED = {
     "then": "a conditional schema",
     "else": "a conditional schema",
     "dependentRequired": "properties required by another's presence",
+    "dependencies": "properties required by another's presence",  # draft 7's name
     "dependentSchemas": "schemas applied by another property's presence",
     "patternProperties": "properties named by a pattern",
     "propertyNames": "a schema for property names",
@@ -37,7 +38,8 @@ UNENFORCED = {
 _COMPOSITIONS = ("allOf", "anyOf", "oneOf")
 # Keywords that describe and validate nothing: a composition beside them is enforced.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
-                "$schema", "$id", "$defs", "definitions"}
+                "$schema", "$id", "$defs", "definitions",
+                "discriminator"}  # OpenAPI's, in pydantic's tagged unions: the oneOf is still enforced (measured)
 
 # Where subschemas sit: keywords whose value is a schema, a list of schemas, or a map of names to schemas.
 _ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "unevaluatedProperties",

@@ -37,7 +37,10 @@ def test_data_is_not_mistaken_for_keywords():
 def test_compositions_are_enforced_alone_not_beside_validation():
     pydantic_optional = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Name"}
     pydantic_ref = {"allOf": [{"$ref": "#/$defs/C"}], "description": "a colour", "default": "red"}
-    assert found(pydantic_optional) == [] and found(pydantic_ref) == []
+    pydantic_tagged = {"oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
+                       "discriminator": {"propertyName": "kind", "mapping": {"a": "#/$defs/A", "b": "#/$defs/B"}}}
+    assert found(pydantic_optional) == [] and found(pydantic_ref) == [] and found(pydantic_tagged) == []
+    assert found({"type": "object", "dependencies": {"a": ["b"]}}) == [("/", "dependencies")]  # draft 7's
     assert found({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": -5}]}) == [("/", "anyOf")]
     assert found({"allOf": [{"type": "integer"}, {"minimum": 5}]}) == [("/", "allOf")]
     assert found({"oneOf": [{"type": "object", "required": ["a"], "if": {}}]}) == [("/oneOf/0", "if")]

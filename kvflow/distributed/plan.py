@@ -45,8 +45,8 @@ def plan_ranks(cfg: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, b
     for rank in range(parallel.world_size):
         local = parallel.rank_model_config(cfg, rank)
         weight_bytes = rank_num_parameters(cfg, parallel, rank) * elem
-        if quantization is not None:  # the head: not split by T yet, which is refused with quantized weights
-            weight_bytes += quantization.weight_bytes_delta(local, elem, head=False)
+        if quantization is not None:  # a quantized head is the last stage's (T > 1 is refused with quantization)
+            weight_bytes += quantization.weight_bytes_delta(local, elem, head=parallel.is_last_stage(rank))
         budget = kv_cache_memory
         if device_memory is not None:
             util = 0.9 if memory_utilization is None else memory_utilization

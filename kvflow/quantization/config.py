@@ -84,12 +84,12 @@ class QuantizationConfig:
         group = f"groups of {self.group_size}" if self.group_size else "per channel"
         return f"{self.method} ({group}{', LM head too' if self.quantize_lm_head else ''})"
 
-    def weight_bytes_delta(self, model_config, elem: int, linear: int | None = None, head: bool = True) -> int:
+    def weight_bytes_delta(self, model_config, elem: int, head: bool = True) -> int:
         """How quantization changes a model's weight bytes from all-float (`elem` bytes each): its
-        linear weights (`linear`, default the decoder's) at `bytes_per_weight`, and with
-        `quantize_lm_head` (when `head`) a quantized head; a head tied to the embedding is untied
-        by it, so the float table stays beside it."""
-        linear = model_config.num_linear_parameters() if linear is None else linear
+        decoder's linear weights at `bytes_per_weight`, and with `quantize_lm_head` (when `head`:
+        the rank holds it) a quantized head; a head tied to the embedding is untied by it, so the
+        float table stays beside it."""
+        linear = model_config.num_linear_parameters()
         delta = int(linear * self.bytes_per_weight()) - linear * elem
         if head and self.quantize_lm_head:
             params = model_config.vocab_size * model_config.hidden_size

@@ -39,7 +39,7 @@ _MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuid
 def check_prompt_keys(prompt: dict) -> None:
     """Refuse keys kvflow would otherwise ignore: an image in `multi_modal_data` dropped without a
     word leaves a text-only model describing a picture it never saw."""
-    unknown = [k for k in prompt if k not in PROMPT_KEYS]
+    unknown = [k for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None]  # None: nothing to drop
     if not unknown:
         return
     if any(k in _MULTIMODAL_KEYS for k in unknown):

@@ -33,3 +33,4 @@ def test_keys_that_would_be_ignored_are_refused(prompt, words):
     with pytest.raises(ValueError, match=words):
         tokenize_prompt(None, prompt)
     assert tokenize_prompt(None, {"prompt_token_ids": [4], "cache_salt": "s"}) == (None, [4])
+    assert tokenize_prompt(None, {"prompt_token_ids": [4], "multi_modal_data": None}) == (None, [4])  # nothing lost

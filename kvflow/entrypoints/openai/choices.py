@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from kvflow.entrypoints.openai import protocol as p
-from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 from kvflow.sampling.params import SamplingParams
 
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class ChoiceState:
     echoed: bool = False
     done: bool = False
 
-    def advance(self, comp: CompletionOutput) -> tuple[str, list[int], list[dict[int, float]]]:
+    def advance(self, comp: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]]:
         """The choice's new text and its new tokens (with their logprobs, when asked) since the last call."""
         if self.done:
             return "", [], []

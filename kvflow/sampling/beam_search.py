@@ -19,11 +19,13 @@ search itself is written once.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.outputs import Logprob
+from kvflow.sampling.detokenizer import decode_token, name_tokens
 from kvflow.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
@@ -55,7 +57,7 @@ class BeamSearchSequence:
     """One beam: its tokens (the prompt's first), the logprobs of each step and their sum."""
 
     tokens: list[int]
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # decoded_token None: steps skip text
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # each step's, named when returned
     cum_logprob: float = 0.0
     text: str | None = None  # set when returned
     finish_reason: str | None = None  # "stop" (EOS) or "length"
@@ -130,13 +132,16 @@ class BeamSearch:
 
     def result(self, tokenizer: Any) -> BeamSearchOutput:
         """The best beam_width sequences, best first, with their text (EOS's own text only when
-        include_stop_str_in_output)."""
+        include_stop_str_in_output) and their logprobs' tokens named (the steps ran without text;
+        beams that share a parent share its entries, named alike)."""
         best = sorted(self.completed + self.beams, key=self._score, reverse=True)[: self.params.beam_width]
         for seq in best:
             generated = seq.tokens[self.num_prompt_tokens:]
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 generated = generated[:-1]
             seq.text = tokenizer.decode(generated, skip_special_tokens=False) if tokenizer is not None else None
+            if tokenizer is not None:
+                name_tokens(seq.logprobs, functools.partial(decode_token, tokenizer))
         return BeamSearchOutput(best)
 
 

@@ -143,7 +143,7 @@ def test_refused_params(kwargs, message):
 
 
 class _Tokenizer:
-    def decode(self, ids, skip_special_tokens=False):
+    def decode(self, ids, skip_special_tokens=False, **_):
         return "".join(f"<{i}>" for i in ids)
 
 
@@ -186,3 +186,6 @@ def test_state_machine_by_hand(include_stop):
     assert [s.tokens[2:] for s in out] == [[EOS], [20, 30]]
     assert [s.finish_reason for s in out] == ["stop", "length"]
     assert out[0].text == (f"<{EOS}>" if include_stop else "") and out[1].text == "<20><30>"
+    # the steps ran without text; the returned beams' logprobs name their tokens (vLLM's Logprob)
+    assert [{t: lp.decoded_token for t, lp in step.items()} for step in out[1].logprobs] == [
+        {20: "<20>", EOS: f"<{EOS}>", 21: "<21>", 22: "<22>"}, {30: "<30>", 31: "<31>"}]

@@ -170,18 +170,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     IPv6 only for a host written as one, as uvicorn binds: "localhost" is 127.0.0.1, where
     clients and `kvflow router --instance http://127.0.0.1:PORT` look, not ::1."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = None
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot listen on {host}:{port} (--host, --port): {exc.strerror or exc}") from None
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: no wait after a restart
-    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: no wait after a restart
         sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot listen on {host}:{port} (--host, --port): {exc.strerror}") from None
+    except OSError as exc:  # an unknown host, an address not here, a port in use
+        if sock is not None:
+            sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port} (--host, --port): {exc.strerror or exc}") from None
     return sock
 
 
